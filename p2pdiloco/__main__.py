@@ -1,0 +1,5 @@
+import sys
+
+from p2pdiloco.cli import main
+
+sys.exit(main())

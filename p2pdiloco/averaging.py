@@ -1,0 +1,246 @@
+"""Background averaging rounds of pseudo-gradients, and the checks that make a round all-or-nothing.
+
+hivemind 1.1.12 reports success for rounds that were only partly averaged (a groupmate died or a
+part timed out): some members then hold a mix of 4-way means, 3-way means and their own values.
+Only the member that lost a part knows. So each member:
+
+1. runs the all-reduce on a fresh copy of its pseudo-gradient (no retries on half-updated buffers);
+2. inspects its own runner inside the averager process (`RoundReport`): parts it never got back
+   (`failed_size`), senders its reducer had to drop, bytes it sent and received;
+3. publishes a verdict for this group in the DHT and waits for every member's verdict;
+4. applies the average only if every member of the group said "complete" and the result is finite.
+
+A member that died never publishes its verdict, so everyone discards the round.
+
+    >>> averager = DilocoAverager(buffer, dht, prefix=cfg.dht_prefix, cfg=cfg, state_fn=peer.shared_state)
+    >>> rounds = RoundRunner(averager, dht, cfg)
+    >>> future = rounds.start(pseudo_grad, weight=tokens, gather={"outer_step": 3})
+    >>> outcome = future.result()      # RoundOutcome: .ok, .average, .members, .reason
+
+Tuning: `matchmaking_time` is the window in which ready peers gather; `allreduce_timeout` bounds a
+round once the group is formed (a frozen peer would otherwise hang it for minutes); keep
+`request_timeout` below `matchmaking_time`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import hivemind
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.compression import Float16Compression, NoCompression
+from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils.timed_storage import get_dht_time
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundReport:
+    """What one member saw of its own all-reduce, measured inside the averager process."""
+
+    group_id: str
+    complete: bool
+    reason: str = ""
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+
+
+@dataclass
+class RoundOutcome:
+    ok: bool
+    reason: str = ""
+    average: Optional[torch.Tensor] = None
+    members: dict = field(default_factory=dict)  # peer id (str) -> gathered metadata
+    report: Optional[RoundReport] = None
+    round_s: float = 0.0
+
+
+class _CountingStub:
+    """Wraps a peer stub so the bytes of averaged parts we receive are counted."""
+
+    def __init__(self, stub, runner: "CountingAllReduceRunner"):
+        self._stub, self._runner = stub, runner
+
+    async def rpc_aggregate_part(self, inputs):
+        stream = await self._stub.rpc_aggregate_part(inputs)
+        return self._runner._count(stream, "recv")
+
+
+class CountingAllReduceRunner(AllReduceRunner):
+    """hivemind's butterfly all-reduce, counting the bytes of every message it sends and receives."""
+
+    def __init__(self, *args, **kwargs):
+        self.bytes_sent = self.bytes_recv = 0
+        super().__init__(*args, **kwargs)
+
+    async def _count(self, stream, direction: str):
+        async for msg in stream:
+            if direction == "sent":
+                self.bytes_sent += msg.ByteSize()
+            else:
+                self.bytes_recv += msg.ByteSize()
+            yield msg
+
+    def _get_peer_stub(self, peer):
+        return _CountingStub(super()._get_peer_stub(peer), self)
+
+    def _generate_input_for_peer(self, peer_index: int):
+        return self._count(super()._generate_input_for_peer(peer_index), "sent")
+
+    def rpc_aggregate_part(self, stream, context):
+        return self._count(super().rpc_aggregate_part(self._count(stream, "recv"), context), "sent")
+
+    def report(self) -> RoundReport:
+        problems = []
+        failed = self.tensor_part_container.failed_size
+        if failed:
+            problems.append(f"{failed} of {self.tensor_part_container.total_size} values never came back")
+        if self.banned_senders:
+            problems.append(f"reducer dropped {len(self.banned_senders)} sender(s)")
+        return RoundReport(group_id=self.group_id.hex(), complete=not problems, reason="; ".join(problems),
+                           bytes_sent=self.bytes_sent, bytes_recv=self.bytes_recv)
+
+
+class DilocoAverager(hivemind.DecentralizedAverager):
+    """A DecentralizedAverager whose step() also returns a RoundReport, and whose shared state
+    (for joiners) comes from `state_fn` (called in a thread of the trainer's process)."""
+
+    def __init__(self, averaged_tensors, dht, *, cfg, state_fn: Callable[[], tuple], **kwargs):
+        self._state_fn = state_fn
+        self._reports: dict[bytes, RoundReport] = {}
+        compression = Float16Compression() if cfg.compression == "fp16" else NoCompression()
+        super().__init__(
+            averaged_tensors, dht, prefix=cfg.dht_prefix, start=True,
+            target_group_size=cfg.target_group_size, min_group_size=cfg.min_group_size,
+            min_matchmaking_time=cfg.matchmaking_time, request_timeout=cfg.request_timeout,
+            allreduce_timeout=cfg.allreduce_timeout, next_chunk_timeout=cfg.next_chunk_timeout,
+            compression=compression, state_compression=NoCompression(),
+            allow_state_sharing=False, declare_state_period=10.0, client_mode=cfg.client_mode,
+            shutdown_timeout=3, **kwargs,
+        )
+
+    def get_current_state(self):
+        metadata, tensors = self._state_fn()
+        return metadata, tensors, None
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        report = self._reports.pop(group_info.group_id, None)
+        if report is None:
+            report = RoundReport(group_id=group_info.group_id.hex(), complete=False, reason="no report")
+        return {"gathered": {str(k): v for k, v in gathered.items()}, "report": report}
+
+    async def _run_allreduce_inplace_(self, tensors, group_info: GroupInfo, group_id=None, **kwargs):
+        # same as hivemind's, with our counting runner and a report kept for _aggregate_with_group
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = CountingAllReduceRunner(
+            p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids, **kwargs,
+        )
+        self._running_groups[group_id].set_result(runner)
+        try:
+            if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
+                async for tensor, update in azip(as_aiter(*tensors), runner):
+                    tensor.add_(update, alpha=self._averaging_alpha)
+            else:
+                async for _ in runner:
+                    raise ValueError("aux peers should not receive averaged tensors")
+        finally:
+            self._reports[group_id] = runner.report()
+
+
+class RoundRunner:
+    """Runs one averaging round at a time in a background thread; the trainer polls the future."""
+
+    def __init__(self, averager: DilocoAverager, dht: hivemind.DHT, cfg):
+        self.averager, self.dht, self.cfg = averager, dht, cfg
+        self.peer_id = str(dht.peer_id)
+
+    def start(self, pseudo_grad: torch.Tensor, *, weight: float, gather: dict) -> concurrent.futures.Future:
+        """Run one round in a daemon thread (a round stuck in hivemind must not block the exit)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def target() -> None:
+            try:
+                future.set_result(self._run(pseudo_grad, weight, gather))
+            except BaseException as e:
+                future.set_exception(e)
+
+        threading.Thread(target=target, name="averaging-round", daemon=True).start()
+        return future
+
+    def _run(self, pseudo_grad: torch.Tensor, weight: float, gather: dict) -> RoundOutcome:
+        t0 = time.monotonic()
+        with self.averager.get_tensors() as (buffer,):
+            buffer.copy_(pseudo_grad)
+        try:
+            result = self.averager.step(
+                gather=gather, weight=weight, allow_retries=False,
+                timeout=self.cfg.matchmaking_time * 2 + self.cfg.request_timeout,
+            )
+        except BaseException as e:  # hivemind raises many types here, all meaning "no usable round"
+            reason = str(e) or type(e).__name__
+            if "could not find a group" in reason:
+                reason = "no group: nobody else was ready in the matchmaking window"
+            elif isinstance(e, (TimeoutError, asyncio.TimeoutError)):
+                reason = f"all-reduce did not finish within allreduce_timeout={self.cfg.allreduce_timeout}s"
+            return RoundOutcome(ok=False, reason=reason[:300], round_s=time.monotonic() - t0)
+        if result is None:
+            return RoundOutcome(ok=False, reason="no group", round_s=time.monotonic() - t0)
+        members, report = result["gathered"], result["report"]
+        outcome = RoundOutcome(ok=False, members=members, report=report)
+        if len(members) < self.cfg.min_group_size:
+            outcome.reason = f"group of {len(members)} is below min_group_size"
+        else:
+            with self.averager.get_tensors() as (buffer,):
+                average = buffer.clone()
+            finite = bool(torch.isfinite(average).all())
+            my_ok = report.complete and finite
+            all_ok, why = self._agree(report.group_id, list(members), my_ok)
+            if not report.complete:
+                outcome.reason = f"incomplete round: {report.reason}"
+            elif not finite:
+                outcome.reason = "average is not finite"
+            elif not all_ok:
+                outcome.reason = why
+            else:
+                outcome.ok, outcome.average = True, average
+        outcome.round_s = time.monotonic() - t0
+        return outcome
+
+    def _agree(self, group_id: str, members: list[str], my_ok: bool) -> tuple[bool, str]:
+        """Publish my verdict for this group and wait for all members' verdicts (all-or-nothing)."""
+        key = f"{self.cfg.dht_prefix}_verdict_{group_id}"
+        expiration = get_dht_time() + 4 * self.cfg.verdict_timeout
+        self.dht.store(key, subkey=self.peer_id, value=my_ok, expiration_time=expiration)
+        if not my_ok:
+            return False, "this member's part was incomplete"
+        deadline = time.monotonic() + self.cfg.verdict_timeout
+        seen: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            found = self.dht.get(key, latest=True)
+            if found is not None and isinstance(found.value, dict):
+                seen = {str(k): v.value for k, v in found.value.items()}
+            if any(v is False for v in seen.values()):
+                bad = [k[-6:] for k, v in seen.items() if v is False]
+                return False, f"member(s) {', '.join(bad)} reported an incomplete round"
+            if all(seen.get(m) is True for m in members):
+                return True, ""
+            time.sleep(0.05)
+        missing = [m[-6:] for m in members if m not in seen]
+        return False, f"no verdict within {self.cfg.verdict_timeout}s from member(s) {', '.join(missing)}"
+
+
+def contribution_weight(tokens: int, age: int) -> float:
+    """Weight of a contribution: tokens processed, gently down-weighted by staleness (FedBuff)."""
+    return max(float(tokens), 1.0) / math.sqrt(1.0 + max(age, 0))

@@ -1,0 +1,105 @@
+"""The `p2pdiloco` command.
+
+    p2pdiloco join --config peers/tiny-cpu.toml --maddrs-file a.txt            # start a swarm
+    p2pdiloco join --config peers/tiny-cpu.toml --initial-peers /ip4/.../p2p/...  # join one
+
+Every config key is also a flag (`inner_steps` -> `--inner-steps`); flags override the preset.
+Bad input (a flag, a config key, a data path, a multiaddr, unreachable initial peers) gives one
+line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from p2pdiloco.config import Config, ConfigError, help_for
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, no usage dump
+        print(f"p2pdiloco: error: {message}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML preset (see peers/); flags override its keys.")
+    for f in dataclasses.fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        kw: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=help_for(f.name))
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif isinstance(default, list):
+            parser.add_argument(flag, nargs="*", metavar="MADDR", **kw)
+        else:
+            parser.add_argument(flag, type=type(default), metavar=type(default).__name__.upper(), **kw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="p2pdiloco", description="Decentralized DiLoCo training over a hivemind swarm.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    join = sub.add_parser("join", help="Start or join a swarm and train.")
+    _add_config_flags(join)
+    join.add_argument("--quiet", action="store_true", help="No status lines on stderr.")
+    join.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                      help="Level of library logs on stderr (hivemind included).")
+    return parser
+
+
+def resolve_config(args: argparse.Namespace) -> Config:
+    overrides = {k: v for k, v in vars(args).items() if k in {f.name for f in dataclasses.fields(Config)}}
+    return Config.from_sources(args.config, overrides)
+
+
+def _setup_logging(level: str) -> None:
+    # hivemind reads its level when first imported, and its child processes inherit it
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", level.upper())
+    logging.basicConfig(level=getattr(logging, level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # a round with nobody else in the window is normal here; we report it as a round_failed event
+    logging.getLogger("hivemind.averaging.averager").addFilter(
+        lambda record: "could not find a group" not in record.getMessage())
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    from p2pdiloco.data import DataError
+    from p2pdiloco.peer import Peer
+    from p2pdiloco.swarm import SwarmError
+
+    cfg = resolve_config(args)
+    _setup_logging(args.log_level)
+    if cfg.log_dir:
+        Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.log_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    try:
+        Peer(cfg, quiet=args.quiet).run()
+    except (DataError, SwarmError) as e:
+        print(f"p2pdiloco: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("p2pdiloco: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "join":
+            return cmd_join(args)
+    except ConfigError as e:
+        print(f"p2pdiloco: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

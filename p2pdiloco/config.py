@@ -1,0 +1,242 @@
+"""One typed config for a peer: TOML presets in `peers/`, overridden by command-line flags.
+
+Every field has a help text (reused as the flag's help) and is checked in `__post_init__`.
+The same name is used for a field, its TOML key (`inner_steps`), its flag (`--inner-steps`)
+and the metrics that report it.
+
+    >>> cfg = Config.from_sources("peers/tiny-cpu.toml", {"inner_steps": 20})
+    >>> cfg.inner_steps
+    20
+
+Keys that must agree across a swarm (the model shape) go into `fingerprint()`, which is part of
+the DHT prefix: peers with another model config or another `run_id` never meet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem; the CLI prints it on one line and exits 2."""
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+# Fields that define the model's shape: peers must agree on them to average together.
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+
+
+@dataclass
+class Config:
+    # --- identity of the run -------------------------------------------------------------
+    run_id: str = _f("p2pdiloco", "Name of the training run; peers of different runs never average together.")
+    seed: int = _f(0, "Seed for the model init and this peer's data order (mixed with its peer id).")
+
+    # --- model (a small GPT over bytes) --------------------------------------------------
+    n_layer: int = _f(2, "Transformer blocks.")
+    n_head: int = _f(4, "Attention heads per block.")
+    n_embd: int = _f(64, "Embedding width.")
+    block_size: int = _f(64, "Context length in bytes.")
+    vocab_size: int = _f(256, "Vocabulary size; 256 for the byte-level tokenizer.")
+    dropout: float = _f(0.0, "Dropout probability inside the model.")
+
+    # --- data ----------------------------------------------------------------------------
+    data: str = _f("", "Text file or directory of .txt files to train on; empty = the bundled Shakespeare corpus.")
+    eval_fraction: float = _f(0.05, "Fraction of the corpus held out for evaluation (the same for every peer).")
+    batch_size: int = _f(16, "Sequences per inner step.")
+
+    # --- inner loop (AdamW on the device) ------------------------------------------------
+    inner_steps: int = _f(50, "H: inner steps between two contributions to the swarm.")
+    inner_lr: float = _f(3e-3, "Peak AdamW learning rate.")
+    warmup_steps: int = _f(50, "Linear warmup of the inner lr, in swarm inner steps (outer_step * inner_steps + local).")
+    total_steps: int = _f(20000, "Inner steps of the cosine schedule (swarm position); the lr stays at min after.")
+    min_lr_ratio: float = _f(0.1, "The cosine schedule ends at inner_lr * min_lr_ratio.")
+    weight_decay: float = _f(0.1, "AdamW weight decay.")
+    grad_clip: float = _f(1.0, "Clip the inner gradient norm to this value (0 = off).")
+
+    # --- outer loop (Nesterov on CPU) ----------------------------------------------------
+    outer_lr: float = _f(0.7, "Outer Nesterov learning rate (0.4-0.6 suits groups of 2-3).")
+    outer_momentum: float = _f(0.9, "Outer Nesterov momentum.")
+    max_staleness: int = _f(4, "A peer this many outer steps behind the swarm reloads state instead of contributing.")
+    anchor_tolerance: float = _f(
+        1e-3, "Relative anchor difference within a round above which members count as diverged and resync."
+    )
+
+    # --- averaging rounds (hivemind) -----------------------------------------------------
+    target_group_size: int = _f(16, "Largest averaging group; whoever is ready in the window joins, up to this many.")
+    min_group_size: int = _f(2, "Smallest group that may average; a peer alone keeps training and retries.")
+    matchmaking_time: float = _f(2.5, "Seconds a round waits for peers to gather (the matchmaking window).")
+    request_timeout: float = _f(1.5, "Seconds to wait for a group leader's answer; must be < matchmaking_time.")
+    allreduce_timeout: float = _f(15.0, "Seconds an all-reduce may take once the group is formed.")
+    next_chunk_timeout: float = _f(5.0, "Seconds without a chunk from a groupmate before it is dropped.")
+    verdict_timeout: float = _f(5.0, "Seconds to wait for every member's verdict that its round was complete.")
+    compression: str = _f("fp16", "Pseudo-gradient transport: fp16 or none (fp32).")
+    state_timeout: float = _f(30.0, "Seconds to look for peers that share state when joining.")
+
+    # --- network --------------------------------------------------------------------------
+    initial_peers: list = _f([], "Multiaddrs of any live peers (or stock hivemind DHT nodes) to join through.")
+    host_maddrs: list = _f(["/ip4/0.0.0.0/tcp/0"], "Multiaddrs to listen on.")
+    announce_maddrs: list = _f([], "Multiaddrs to announce to others (your public address).")
+    identity_path: str = _f("", "Private key file for a stable peer id (created if missing).")
+    client_mode: bool = _f(False, "Do not accept incoming connections (behind NAT); join others' groups only.")
+    use_relay: bool = _f(True, "Allow connections through relays.")
+    use_auto_relay: bool = _f(False, "Look for relays automatically when unreachable.")
+    bootstrap_timeout: float = _f(20.0, "Seconds to reach the initial peers before giving up.")
+
+    # --- running ---------------------------------------------------------------------------
+    device: str = _f("auto", "auto, cpu, cuda or cuda:N.")
+    max_time: float = _f(0.0, "Stop cleanly after this many seconds (0 = run until interrupted).")
+    max_inner_steps: int = _f(0, "Stop cleanly after this many local inner steps (0 = no limit).")
+    log_dir: str = _f("", "Directory for metrics.jsonl and the resolved config.")
+    log_interval: float = _f(5.0, "Seconds between status lines and inner metrics.")
+    eval_batches: int = _f(4, "Held-out batches evaluated after each applied outer step.")
+    maddrs_file: str = _f("", "Write this peer's visible multiaddrs here, one per line, once the DHT is up.")
+    threads: int = _f(0, "torch CPU threads (0 = torch default).")
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(msg)
+
+        need(re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.run_id) is not None,
+             f"run_id must be 1-64 letters, digits, '-' or '_', got {self.run_id!r}")
+        for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "inner_steps",
+                    "target_group_size", "min_group_size", "eval_batches"):
+            need(getattr(self, key) >= 1, f"{key} must be >= 1, got {getattr(self, key)}")
+        need(self.n_embd % self.n_head == 0, f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        need(self.min_group_size <= self.target_group_size, "min_group_size must be <= target_group_size")
+        for key in ("inner_lr", "outer_lr", "matchmaking_time", "request_timeout", "allreduce_timeout",
+                    "next_chunk_timeout", "verdict_timeout", "log_interval", "state_timeout", "bootstrap_timeout"):
+            value = getattr(self, key)
+            need(math.isfinite(value) and value > 0, f"{key} must be a positive number, got {value}")
+        for key in ("weight_decay", "grad_clip", "max_time", "warmup_steps", "total_steps", "max_inner_steps",
+                    "max_staleness", "threads", "anchor_tolerance"):
+            value = getattr(self, key)
+            need(math.isfinite(value) and value >= 0, f"{key} must be >= 0, got {value}")
+        need(0 <= self.outer_momentum < 1, f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        need(0 <= self.dropout < 1, f"dropout must be in [0, 1), got {self.dropout}")
+        need(0 < self.eval_fraction < 0.5, f"eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
+        need(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        need(self.request_timeout < self.matchmaking_time,
+             "request_timeout must be smaller than matchmaking_time (hivemind deadlocks otherwise)")
+        need(self.compression in ("fp16", "none"), f"compression must be fp16 or none, got {self.compression!r}")
+        need(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, f"bad device {self.device!r}")
+        for key in ("initial_peers", "host_maddrs", "announce_maddrs"):
+            value = getattr(self, key)
+            need(isinstance(value, list) and all(isinstance(v, str) for v in value),
+                 f"{key} must be a list of multiaddr strings")
+            for addr in value:
+                check_multiaddr(addr, key)
+        need(len(self.host_maddrs) > 0, "host_maddrs must not be empty")
+
+    # ---------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_sources(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> "Config":
+        """Read a TOML preset (tables are only for grouping), then apply overrides; unknown keys are errors."""
+        values: dict[str, Any] = {}
+        if path:
+            try:
+                raw = tomllib.loads(Path(path).read_text())
+            except FileNotFoundError:
+                raise ConfigError(f"config file not found: {path}") from None
+            except (OSError, UnicodeDecodeError) as e:
+                raise ConfigError(f"cannot read config {path}: {e}") from None
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"bad TOML in {path}: {e}") from None
+            values.update(_flatten(raw, str(path)))
+        values.update(overrides or {})
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
+        for name, value in values.items():
+            values[name] = _coerce(name, value, known[name].default if known[name].default is not dataclasses.MISSING else [])
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """Hash of what peers must share to average together: run id and model shape."""
+        shared = {"run_id": self.run_id, **{k: getattr(self, k) for k in MODEL_KEYS}}
+        return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:12]
+
+    @property
+    def dht_prefix(self) -> str:
+        return f"p2pdiloco_{self.run_id}_{self.fingerprint()}"
+
+
+def help_for(name: str) -> str:
+    return next(f.metadata["help"] for f in dataclasses.fields(Config) if f.name == name)
+
+
+def check_multiaddr(addr: str, what: str = "multiaddr") -> None:
+    from hivemind.utils.multiaddr import Multiaddr  # vendored by hivemind
+
+    try:
+        Multiaddr(addr)
+    except Exception as e:  # the library raises several unrelated types
+        raise ConfigError(f"malformed {what} {addr!r}: {e}") from None
+
+
+def _flatten(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        items = value.items() if isinstance(value, dict) else [(key, value)]
+        for k, v in items:
+            if isinstance(v, dict):
+                raise ConfigError(f"{where}: nested table {key}.{k} is not allowed")
+            if k in flat:
+                raise ConfigError(f"{where}: key {k} given twice")
+            flat[k] = v
+    return flat
+
+
+def _coerce(name: str, value: Any, default: Any) -> Any:
+    kind = type(default)
+    try:
+        if kind is bool:
+            if isinstance(value, str):
+                if value.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if value.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(value)
+            if not isinstance(value, bool):
+                raise ValueError(value)
+            return value
+        if kind is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if kind is float:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        if kind is list:
+            if isinstance(value, str):
+                return [v for v in value.split(",") if v]
+            if not isinstance(value, list):
+                raise ValueError(value)
+            return list(value)
+        if kind is str:
+            if not isinstance(value, str):
+                raise ValueError(value)
+            return value
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} expects a {kind.__name__}, got {value!r}") from None
+    return value

@@ -1,0 +1,70 @@
+"""The DiLoCo math, in the papers' words: pseudo-gradient, one outer Nesterov step per group
+average, the merge that keeps the local progress made while a round ran, the swarm-keyed lr
+schedule, and a cheap anchor digest used to measure the spread of anchors across peers.
+
+Per peer (see DESIGN.md):
+
+    every inner_steps (H) inner steps:
+        snapshot   = local.copy()
+        pseudo_grad = anchor - snapshot                     # sent to a background round
+    when the round returns the group average g (tau inner steps later):
+        momentum = outer_momentum * momentum + g             # once per GROUP, never per arrival
+        anchor  -= outer_lr * (g + outer_momentum * momentum)
+        local    = anchor + (local - snapshot)              # keep the tau steps made meanwhile
+
+All tensors here are flat fp32 vectors on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+DIGEST_SIZE = 256
+
+
+def pseudo_grad(anchor: torch.Tensor, snapshot: torch.Tensor) -> torch.Tensor:
+    return anchor - snapshot
+
+
+def outer_step_(anchor: torch.Tensor, momentum: torch.Tensor, avg_pseudo_grad: torch.Tensor, *,
+                outer_lr: float, outer_momentum: float) -> None:
+    """One Nesterov SGD step on the anchor, in place (same as torch.optim.SGD(nesterov=True))."""
+    momentum.mul_(outer_momentum).add_(avg_pseudo_grad)
+    anchor.sub_(avg_pseudo_grad + outer_momentum * momentum, alpha=outer_lr)
+
+
+def merge_local(new_anchor: torch.Tensor, local: torch.Tensor, snapshot: torch.Tensor) -> torch.Tensor:
+    """The new local weights: the new anchor plus the progress made since the snapshot."""
+    return new_anchor + (local - snapshot)
+
+
+def inner_lr_at(position: int, *, inner_lr: float, warmup_steps: int, total_steps: int,
+                min_lr_ratio: float) -> float:
+    """Linear warmup then cosine decay, keyed on the swarm position (outer_step * H + local steps)."""
+    if warmup_steps and position < warmup_steps:
+        return inner_lr * (position + 1) / warmup_steps
+    if total_steps <= warmup_steps:
+        return inner_lr
+    progress = min(1.0, (position - warmup_steps) / max(1, total_steps - warmup_steps))
+    return inner_lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def digest_indices(numel: int) -> torch.Tensor:
+    """Fixed positions (the same on every peer of a model config) sampled for the anchor digest."""
+    g = torch.Generator().manual_seed(numel)
+    return torch.randint(0, numel, (min(DIGEST_SIZE, numel),), generator=g)
+
+
+def anchor_digest(anchor: torch.Tensor, indices: torch.Tensor) -> list[float]:
+    """A few anchor values at fixed positions: enough to tell whether two anchors agree."""
+    return anchor[indices].tolist()
+
+
+def digest_spread(a: list[float], b: list[float]) -> float:
+    """Relative distance between two anchor digests (0 = identical)."""
+    ta, tb = torch.tensor(a), torch.tensor(b)
+    if ta.shape != tb.shape:
+        return math.inf
+    return float((ta - tb).norm() / tb.norm().clamp_min(1e-12))

@@ -1,0 +1,173 @@
+"""A swarm of real `p2pdiloco join` processes on this machine (loopback), for the demo, the
+tests, the chaos runner and the benchmarks.
+
+Each peer runs in its own process group, so a test can kill a whole peer (trainer, DHT process,
+averager process and p2pd) the way a crashed machine dies, and reap everything at the end.
+
+    >>> with LocalSwarm(workdir, config="peers/tiny-cpu.toml") as swarm:
+    ...     swarm.start("a")                     # the first peer writes a.maddrs
+    ...     swarm.start("b", join="a")           # joins through a's address
+    ...     swarm.wait_for(lambda: len(swarm.events("b", "outer")) >= 2, timeout=120)
+    ...     swarm.signal("a", signal.SIGKILL)     # the whole process group
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from p2pdiloco.metrics import read_metrics
+
+
+@dataclass
+class PeerProcess:
+    name: str
+    proc: subprocess.Popen
+    log_dir: Path
+    maddrs_file: Path
+    stderr_path: Path
+    args: list = field(default_factory=list)
+
+    @property
+    def pgid(self) -> int:
+        return self.proc.pid  # start_new_session=True: the peer leads its own group
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live pids in a process group (read from /proc; zombies excluded)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            pids.append(int(entry))
+    return pids
+
+
+class LocalSwarm:
+    def __init__(self, workdir: str | Path, *, config: str, extra_args: Sequence[str] = (),
+                 env: Optional[dict] = None):
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config = str(config)
+        self.extra_args = list(extra_args)
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.peers: dict[str, PeerProcess] = {}
+        self._stderr_files = []
+
+    def __enter__(self) -> "LocalSwarm":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_all()
+
+    # ---------------------------------------------------------------------------- start
+
+    def maddr(self, name: str, timeout: float = 60.0) -> str:
+        """The first (loopback) multiaddr that a peer wrote once its DHT was up."""
+        path = self.peers[name].maddrs_file
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if path.exists() and path.read_text().strip():
+                return path.read_text().split()[0]
+            if self.peers[name].proc.poll() is not None:
+                raise RuntimeError(f"peer {name} exited with {self.peers[name].proc.returncode}: {self.stderr(name)}")
+            time.sleep(0.1)
+        raise TimeoutError(f"peer {name} wrote no multiaddr within {timeout}s")
+
+    def start(self, name: str, *args: str, join: Optional[str | Sequence[str]] = None) -> PeerProcess:
+        """Start `p2pdiloco join` as peer `name`; join = name(s) of live peers to bootstrap from."""
+        log_dir = self.workdir / name
+        maddrs_file = self.workdir / f"{name}.maddrs"
+        maddrs_file.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "p2pdiloco", "join", "--config", self.config, "--log-dir", str(log_dir),
+               "--maddrs-file", str(maddrs_file), *self.extra_args, *args]
+        if join:
+            names = [join] if isinstance(join, str) else list(join)
+            cmd += ["--initial-peers", *[self.maddr(n) for n in names]]
+        stderr_path = self.workdir / f"{name}.stderr"
+        stderr = open(stderr_path, "ab")
+        self._stderr_files.append(stderr)
+        proc = subprocess.Popen(cmd, stdout=stderr, stderr=stderr, stdin=subprocess.DEVNULL, env=self.env,
+                                start_new_session=True)
+        self.peers[name] = PeerProcess(name, proc, log_dir, maddrs_file, stderr_path, list(args))
+        return self.peers[name]
+
+    # ----------------------------------------------------------------------- observe
+
+    def events(self, name: str, event: Optional[str] = None) -> list[dict]:
+        path = self.peers[name].log_dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        records = read_metrics(path)
+        return [r for r in records if event is None or r["event"] == event]
+
+    def stderr(self, name: str, tail: int = 2000) -> str:
+        path = self.peers[name].stderr_path
+        return path.read_text(errors="replace")[-tail:] if path.exists() else ""
+
+    def wait_for(self, condition: Callable[[], bool], timeout: float, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"{what} not reached within {timeout}s")
+
+    # ------------------------------------------------------------------------- stop
+
+    def signal(self, name: str, sig: int, whole_group: bool = True) -> None:
+        """Send a signal to a peer: the whole process group (a crashed machine) or the trainer only."""
+        peer = self.peers[name]
+        try:
+            if whole_group:
+                os.killpg(peer.pgid, sig)
+            else:
+                peer.proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+    def wait_exit(self, name: str, timeout: float) -> int:
+        return self.peers[name].proc.wait(timeout=timeout)
+
+    def stop_all(self, timeout: float = 15.0) -> dict[str, Optional[int]]:
+        """SIGTERM every peer, wait, then SIGKILL whatever is left of their process groups."""
+        for name, peer in self.peers.items():
+            if peer.proc.poll() is None:
+                self.signal(name, signal.SIGCONT)  # a frozen peer must be able to stop
+                self.signal(name, signal.SIGTERM, whole_group=False)
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for name, peer in self.peers.items():
+            try:
+                codes[name] = peer.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                codes[name] = None
+        for peer in self.peers.values():
+            self.reap(peer)
+        for f in self._stderr_files:
+            f.close()
+        self._stderr_files.clear()
+        return codes
+
+    @staticmethod
+    def reap(peer: PeerProcess) -> None:
+        for pid in group_members(peer.pgid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if peer.proc.poll() is None:
+            peer.proc.kill()
+            peer.proc.wait(timeout=10)

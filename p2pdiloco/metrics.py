@@ -1,0 +1,65 @@
+"""Metrics: one JSON object per line in `LOG_DIR/metrics.jsonl`, plus a human status line.
+
+Events (the contract documented in the README):
+    inner        every log interval: inner_step, outer_step, loss, tokens, tokens_per_s
+    outer        each applied outer step: outer_step, group_size, weight, staleness, round_s,
+                 bytes_sent, bytes_recv, eval_loss, anchor_spread
+    join         after a state download: loaded_outer_step, download_s
+    round_failed a discarded round: reason
+    resync       a state reload after divergence or staleness: reason, loaded_outer_step
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+
+class Metrics:
+    def __init__(self, log_dir: Optional[str], peer: str, quiet: bool = False):
+        self.peer = peer
+        self.quiet = quiet
+        self._file = None
+        if log_dir:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            self._file = open(Path(log_dir) / "metrics.jsonl", "a", buffering=1)
+
+    def log(self, event: str, **fields: Any) -> None:
+        if self._file is None:
+            return
+        record = {"event": event, "time": round(time.time(), 3), "peer": self.peer}
+        record.update({k: _clean(v) for k, v in fields.items()})
+        self._file.write(json.dumps(record) + "\n")
+
+    def status(self, line: str) -> None:
+        if not self.quiet:
+            print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float):
+        return round(value, 6) if math.isfinite(value) else None
+    return value
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """All records of a metrics.jsonl (a torn last line, from a killed peer, is skipped)."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records

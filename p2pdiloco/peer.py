@@ -1,0 +1,332 @@
+"""One peer of the swarm: the inner loop, read top to bottom, and the outer step when a round returns.
+
+    >>> peer = Peer(cfg)
+    >>> peer.run()             # until SIGINT/SIGTERM, max_time or max_inner_steps; stops its children
+
+The loop never waits for the network: every `inner_steps` steps it hands the pseudo-gradient to a
+background round (RoundRunner) and keeps training; when the round's future is done it applies one
+outer step (or discards the round) and goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import sys
+import threading
+import time
+import zlib
+from typing import Optional
+
+import torch
+
+from p2pdiloco import diloco, state, swarm
+from p2pdiloco.averaging import DilocoAverager, RoundOutcome, RoundRunner, contribution_weight
+from p2pdiloco.data import load_data
+from p2pdiloco.metrics import Metrics
+from p2pdiloco.model import GPT, flat_params, load_flat_, num_params
+
+logger = logging.getLogger(__name__)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class Peer:
+    def __init__(self, cfg, *, quiet: bool = False, stop_event: Optional[threading.Event] = None):
+        self.cfg = cfg
+        self.quiet = quiet
+        self.stop_event = stop_event or threading.Event()
+        self.state_lock = threading.Lock()  # guards anchor, momentum, outer_step (read by joiners' downloads)
+        self.outer_step = 0
+        self.inner_step = 0
+        self.dht = self.averager = self.rounds = self.metrics = None
+        self.pending = None
+        self._progress_reading = None
+
+    # ----------------------------------------------------------------------------- setup
+
+    def _progress(self, msg: str) -> None:
+        if not self.quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    def shared_state(self):
+        """Called from hivemind's thread when a peer downloads our state."""
+        with self.state_lock:
+            return state.make_metadata(self.cfg, self.outer_step), [self.anchor.clone(), self.momentum.clone()]
+
+    def _setup(self) -> None:
+        cfg = self.cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.device = pick_device(cfg.device)
+        self.data = load_data(cfg, progress=self._progress)
+        torch.manual_seed(cfg.seed)  # every peer starts from the same init
+        self.model = GPT.from_config(cfg).to(self.device)
+        self.eval_model = GPT.from_config(cfg).to(self.device).eval()
+        self.numel = num_params(self.model)
+        self.anchor = flat_params(self.model)
+        self.momentum = torch.zeros_like(self.anchor)
+        self.digest_idx = diloco.digest_indices(self.numel)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.inner_lr, weight_decay=cfg.weight_decay,
+                                     betas=(0.9, 0.95))
+        self.eval_set = self.data.eval_batches(cfg.batch_size, cfg.eval_batches)
+        self.autocast = self.device.type == "cuda"
+
+        self.dht = swarm.start_dht(cfg)
+        self.peer_id = str(self.dht.peer_id)
+        self.metrics = Metrics(cfg.log_dir or None, self.peer_id, quiet=self.quiet)
+        if cfg.maddrs_file:
+            swarm.write_maddrs(self.dht, cfg.maddrs_file)
+        self._progress(f"p2pdiloco: peer {self.peer_id} up at {' '.join(swarm.visible_maddrs(self.dht))}")
+        swarm.check_run_config(self.dht, cfg)
+        # each peer reads the corpus in its own order
+        self.gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + zlib.crc32(self.peer_id.encode()))
+        self.averager = DilocoAverager([torch.zeros(self.numel)], self.dht, cfg=cfg, state_fn=self.shared_state)
+        self.rounds = RoundRunner(self.averager, self.dht, cfg)
+        self._install_signal_handlers()  # again: hivemind's averager sets SIGINT to ignored when it starts
+
+    def _install_signal_handlers(self) -> None:
+        """SIGINT/SIGTERM ask the loop to stop cleanly; a second one interrupts at once."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum, frame):
+            if self.stop_event.is_set():
+                raise KeyboardInterrupt
+            self.stop_event.set()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, handler)
+
+    def _join(self) -> None:
+        """Load the swarm's outer state before training; the first peer starts the swarm."""
+        if self.cfg.initial_peers:
+            self._progress("p2pdiloco: downloading the swarm's state ...")
+            loaded = state.download_state(self.averager, self.cfg, self.numel, timeout=self.cfg.state_timeout,
+                                          progress=self._progress, stop_event=self.stop_event)
+            if loaded is not None:
+                self._install(loaded, keep_local=False)
+                self.metrics.log("join", loaded_outer_step=loaded.outer_step, download_s=loaded.download_s)
+                self._progress(f"p2pdiloco: loaded outer step {loaded.outer_step} "
+                               f"({self.numel * 8 / 1e6:.1f} MB in {loaded.download_s:.2f}s)")
+            else:
+                self._progress("p2pdiloco: no peer shares state; starting from the run's initial weights")
+        if not self.cfg.client_mode:
+            self.averager.state_sharing_priority = float(self.outer_step)
+            self.averager.allow_state_sharing = True
+
+    def _install(self, loaded: state.OuterState, *, keep_local: bool) -> None:
+        """Adopt a downloaded anchor; keep_local keeps the progress made since the last snapshot."""
+        with self.state_lock:
+            old_anchor = self.anchor
+            self.anchor, self.momentum, self.outer_step = loaded.anchor, loaded.momentum, loaded.outer_step
+        local = flat_params(self.model)
+        base = self._snapshot if keep_local and self._snapshot is not None else old_anchor
+        load_flat_(self.model, diloco.merge_local(self.anchor, local, base) if keep_local else self.anchor)
+        self.tokens_since_anchor = 0
+        self.steps_since_round = 0
+        if not self.cfg.client_mode:
+            self.averager.state_sharing_priority = float(self.outer_step)
+
+    # ------------------------------------------------------------------------------ loop
+
+    def run(self) -> None:
+        try:
+            self._install_signal_handlers()
+            self._snapshot = None
+            self._setup()
+            self._join()
+            self._train()
+        finally:
+            self.close()
+
+    def _train(self) -> None:
+        cfg = self.cfg
+        tokens_per_step = cfg.batch_size * cfg.block_size
+        self.tokens = 0
+        self.tokens_since_anchor = 0  # tokens behind the current pseudo-gradient
+        self.steps_since_round = 0
+        self.swarm_outer_step = self.outer_step
+        self._progress_reading = None
+        self.pending = None  # the round in flight: (future, snapshot, tokens, weight, age)
+        t_start = last_log = time.monotonic()
+        loss_sum, loss_n, tokens_at_log = torch.zeros((), device=self.device), 0, 0
+        self.last_loss = math.nan
+        self.model.train()
+
+        while not self._should_stop(t_start):
+            # --- inner step ------------------------------------------------------------
+            position = self.outer_step * cfg.inner_steps + self.steps_since_round
+            lr = diloco.inner_lr_at(position, inner_lr=cfg.inner_lr, warmup_steps=cfg.warmup_steps,
+                                    total_steps=cfg.total_steps, min_lr_ratio=cfg.min_lr_ratio)
+            for group in self.opt.param_groups:
+                group["lr"] = lr
+            x, y = (t.to(self.device, non_blocking=True) for t in self.data.train_batch(cfg.batch_size, self.gen))
+            with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                loss = self.model(x, y)
+            loss.backward()
+            if cfg.grad_clip:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            self.inner_step += 1
+            self.steps_since_round += 1
+            self.tokens += tokens_per_step
+            self.tokens_since_anchor += tokens_per_step
+            loss_sum += loss.detach()
+            loss_n += 1
+
+            # --- outer step: a round came back ---------------------------------------
+            if self.pending is not None and self.pending[0].done():
+                pending, self.pending = self.pending, None
+                self._finish_round(pending)
+
+            # --- every inner_steps steps: hand the pseudo-gradient to a background round --
+            if self.pending is None and self.steps_since_round >= cfg.inner_steps:
+                self.pending = self._start_round()
+
+            # --- every log interval: status line, metrics, progress record ---------------
+            now = time.monotonic()
+            if now - last_log >= cfg.log_interval:
+                self.last_loss = float(loss_sum) / max(loss_n, 1)
+                tps = (self.tokens - tokens_at_log) / (now - last_log)
+                self._log_inner(tps)
+                loss_sum.zero_()
+                loss_n, tokens_at_log, last_log = 0, self.tokens, now
+
+        if self.pending is not None and self.pending[0].done():
+            pending, self.pending = self.pending, None
+            self._finish_round(pending)
+        self.metrics.log("final", inner_step=self.inner_step, outer_step=self.outer_step,
+                         eval_loss=self._evaluate())
+
+    def _should_stop(self, t_start: float) -> bool:
+        cfg = self.cfg
+        return (self.stop_event.is_set()
+                or (cfg.max_time > 0 and time.monotonic() - t_start >= cfg.max_time)
+                or (cfg.max_inner_steps > 0 and self.inner_step >= cfg.max_inner_steps))
+
+    def _log_inner(self, tokens_per_s: float) -> None:
+        self.metrics.log("inner", inner_step=self.inner_step, outer_step=self.outer_step, loss=self.last_loss,
+                         tokens=self.tokens, tokens_per_s=tokens_per_s)
+        self.metrics.status(f"[{self.peer_id[-6:]}] step {self.inner_step:6d}  outer {self.outer_step:4d}  "
+                            f"loss {self.last_loss:6.3f}  {tokens_per_s:8.0f} tok/s")
+        swarm.publish_progress(self.dht, self.cfg, {
+            "outer_step": self.outer_step, "inner_step": self.inner_step, "loss": self.last_loss,
+            "tokens_per_s": tokens_per_s, "device": str(self.device), "time": time.time()})
+        self._refresh_swarm_outer_step()
+
+    def _refresh_swarm_outer_step(self) -> None:
+        """The highest outer step in the peers' progress records (read in the background)."""
+        if self._progress_reading is not None and self._progress_reading.done():
+            try:
+                found = self._progress_reading.result()
+                if found is not None and isinstance(found.value, dict):
+                    steps = [v.value.get("outer_step", 0) for v in found.value.values() if isinstance(v.value, dict)]
+                    self.swarm_outer_step = max([self.outer_step, *steps])
+            except Exception as e:  # a failed read only delays the staleness check
+                logger.debug(f"progress read failed: {e!r}")
+            self._progress_reading = None
+        if self._progress_reading is None:
+            self._progress_reading = self.dht.get(f"{self.cfg.dht_prefix}_progress", latest=True,
+                                                  return_future=True)
+
+    # ------------------------------------------------------------------------- rounds
+
+    def _start_round(self):
+        cfg = self.cfg
+        age = max(0, self.swarm_outer_step - self.outer_step)
+        if age > cfg.max_staleness:
+            self._resync(f"{age} outer steps behind the swarm", keep_local=False)
+            return None
+        snapshot = flat_params(self.model)
+        with self.state_lock:
+            delta = diloco.pseudo_grad(self.anchor, snapshot)
+            digest = diloco.anchor_digest(self.anchor, self.digest_idx)
+        weight = contribution_weight(self.tokens_since_anchor, age)
+        gather = {"peer": self.peer_id, "outer_step": self.outer_step, "tokens": self.tokens_since_anchor,
+                  "digest": digest}
+        self.steps_since_round = 0
+        future = self.rounds.start(delta, weight=weight, gather=gather)
+        return future, snapshot, self.tokens_since_anchor, weight, age
+
+    def _finish_round(self, pending) -> None:
+        future, snapshot, tokens, weight, age = pending
+        outcome: RoundOutcome = future.result()
+        if not outcome.ok:
+            self.metrics.log("round_failed", reason=outcome.reason, outer_step=self.outer_step,
+                             round_s=outcome.round_s)
+            logger.info(f"round discarded: {outcome.reason}")
+            return
+        members = list(outcome.members.values())
+        reference = max(members, key=lambda m: (m["outer_step"], m["peer"]))
+        mine = outcome.members[self.peer_id]
+        spread = max(diloco.digest_spread(m["digest"], reference["digest"]) for m in members)
+        if diloco.digest_spread(mine["digest"], reference["digest"]) > self.cfg.anchor_tolerance:
+            self._snapshot = snapshot
+            self._resync(f"anchor differs from the group's (spread {spread:.2e})", keep_local=True)
+            return
+        with self.state_lock:
+            diloco.outer_step_(self.anchor, self.momentum, outcome.average, outer_lr=self.cfg.outer_lr,
+                               outer_momentum=self.cfg.outer_momentum)
+            self.outer_step = max(m["outer_step"] for m in members) + 1
+        local = flat_params(self.model)
+        load_flat_(self.model, diloco.merge_local(self.anchor, local, snapshot))
+        self.tokens_since_anchor -= tokens
+        self.swarm_outer_step = max(self.swarm_outer_step, self.outer_step)
+        if not self.cfg.client_mode:
+            self.averager.state_sharing_priority = float(self.outer_step)
+        report = outcome.report
+        self.metrics.log("outer", outer_step=self.outer_step, group_size=len(members), weight=weight,
+                         staleness=age, round_s=outcome.round_s, bytes_sent=report.bytes_sent,
+                         bytes_recv=report.bytes_recv, eval_loss=self._evaluate(), anchor_spread=spread)
+
+    def _resync(self, reason: str, *, keep_local: bool) -> None:
+        self._progress(f"p2pdiloco: resyncing state ({reason}) ...")
+        loaded = state.download_state(self.averager, self.cfg, self.numel, timeout=self.cfg.state_timeout,
+                                      stop_event=self.stop_event)
+        if loaded is None:
+            self.metrics.log("round_failed", reason=f"resync failed: {reason}", outer_step=self.outer_step)
+            return
+        self._install(loaded, keep_local=keep_local)
+        self.metrics.log("resync", reason=reason, loaded_outer_step=loaded.outer_step, download_s=loaded.download_s)
+
+    @torch.no_grad()
+    def _evaluate(self) -> float:
+        """Loss of the anchor (the swarm's model) on the held-out batches."""
+        with self.state_lock:
+            load_flat_(self.eval_model, self.anchor)
+        losses = []
+        for x, y in self.eval_set:
+            with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                losses.append(float(self.eval_model(x.to(self.device), y.to(self.device))))
+        return sum(losses) / len(losses)
+
+    # --------------------------------------------------------------------------- stop
+
+    def close(self) -> None:
+        """Stop the averager and the DHT (and its p2pd); safe to call more than once."""
+        if self.averager is not None:
+            try:
+                self.averager.shutdown()  # cancels a round in flight
+            except Exception as e:  # keep stopping the DHT whatever happened here
+                logger.warning(f"averager shutdown failed: {e!r}")
+            self.averager = None
+        # let DHT calls in flight (a round's verdict, a progress read) finish before the DHT goes:
+        # hivemind's DHT can hang on shutdown when a request arrives while it stops
+        for future in (self.pending[0] if self.pending else None, self._progress_reading):
+            if future is not None:
+                try:
+                    future.result(timeout=2.0)
+                except Exception as e:  # a failed or cancelled request is fine at this point
+                    logger.debug(f"request in flight at shutdown: {e!r}")
+        if self.dht is not None:
+            self.dht.shutdown()
+            self.dht = None
+        if self.metrics is not None:
+            self.metrics.close()
