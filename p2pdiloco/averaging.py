@@ -81,6 +81,9 @@ class CountingAllReduceRunner(AllReduceRunner):
 
     def __init__(self, *args, **kwargs):
         self.bytes_sent = self.bytes_recv = 0
+        self._serving = 0  # our reducer's result streams to groupmates still open
+        self._served = asyncio.Event()
+        self._served.set()
         super().__init__(*args, **kwargs)
 
     async def _count(self, stream, direction: str):
@@ -97,8 +100,23 @@ class CountingAllReduceRunner(AllReduceRunner):
     def _generate_input_for_peer(self, peer_index: int):
         return self._count(super()._generate_input_for_peer(peer_index), "sent")
 
-    def rpc_aggregate_part(self, stream, context):
-        return self._count(super().rpc_aggregate_part(self._count(stream, "recv"), context), "sent")
+    async def rpc_aggregate_part(self, stream, context):
+        self._serving += 1
+        self._served.clear()
+        try:
+            async for msg in self._count(super().rpc_aggregate_part(self._count(stream, "recv"), context), "sent"):
+                yield msg
+        finally:
+            self._serving -= 1
+            if self._serving == 0:
+                self._served.set()
+
+    async def wait_served(self, timeout: float) -> None:
+        """Our own average can be complete while our reducer still streams results to others."""
+        try:
+            await asyncio.wait_for(self._served.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
 
     def report(self) -> RoundReport:
         problems = []
@@ -119,6 +137,9 @@ class DilocoAverager(hivemind.DecentralizedAverager):
         self._state_fn = state_fn
         self._reports: dict[bytes, RoundReport] = {}
         compression = Float16Compression() if cfg.compression == "fp16" else NoCompression()
+        # hivemind hands whole parts to reducers: small parts spread a small model over the group
+        vector_bytes = sum(t.numel() for t in averaged_tensors) * (2 if cfg.compression == "fp16" else 4)
+        part_size_bytes = min(2**19, max(2**14, vector_bytes // 32))
         super().__init__(
             averaged_tensors, dht, prefix=cfg.dht_prefix, start=True,
             target_group_size=cfg.target_group_size, min_group_size=cfg.min_group_size,
@@ -126,7 +147,7 @@ class DilocoAverager(hivemind.DecentralizedAverager):
             allreduce_timeout=cfg.allreduce_timeout, next_chunk_timeout=cfg.next_chunk_timeout,
             compression=compression, state_compression=NoCompression(),
             allow_state_sharing=False, declare_state_period=10.0, client_mode=cfg.client_mode,
-            shutdown_timeout=3, **kwargs,
+            part_size_bytes=part_size_bytes, shutdown_timeout=3, **kwargs,
         )
 
     def get_current_state(self):
@@ -155,6 +176,7 @@ class DilocoAverager(hivemind.DecentralizedAverager):
             else:
                 async for _ in runner:
                     raise ValueError("aux peers should not receive averaged tensors")
+            await runner.wait_served(timeout=self.next_chunk_timeout or 5.0)
         finally:
             self._reports[group_id] = runner.report()
 

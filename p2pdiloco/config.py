@@ -129,6 +129,8 @@ class Config:
         need(0 <= self.outer_momentum < 1, f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         need(0 <= self.dropout < 1, f"dropout must be in [0, 1), got {self.dropout}")
         need(0 < self.eval_fraction < 0.5, f"eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
+        need(self.total_steps > self.warmup_steps,
+             f"total_steps ({self.total_steps}) must exceed warmup_steps ({self.warmup_steps})")
         need(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         need(self.request_timeout < self.matchmaking_time,
              "request_timeout must be smaller than matchmaking_time (hivemind deadlocks otherwise)")

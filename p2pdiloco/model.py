@@ -79,14 +79,14 @@ def flat_params(model: nn.Module) -> torch.Tensor:
 
 def load_flat_(model: nn.Module, flat: torch.Tensor) -> None:
     """Copy a flat vector into the model's parameters (on their device)."""
+    if flat.numel() != num_params(model):
+        raise ValueError(f"flat vector has {flat.numel()} values, the model {num_params(model)}")
     offset = 0
     with torch.no_grad():
         for p in model.parameters():
             n = p.numel()
             p.copy_(flat[offset:offset + n].view_as(p))
             offset += n
-    if offset != flat.numel():
-        raise ValueError(f"flat vector has {flat.numel()} values, the model {offset}")
 
 
 def num_params(model: nn.Module) -> int:

@@ -269,8 +269,12 @@ class Peer:
         spread = max(diloco.digest_spread(m["digest"], reference["digest"]) for m in members)
         if diloco.digest_spread(mine["digest"], reference["digest"]) > self.cfg.anchor_tolerance:
             self._snapshot = snapshot
-            self._resync(f"anchor differs from the group's (spread {spread:.2e})", keep_local=True)
+            # the reference members apply this round: wait until one of them offers the result
+            self._resync(f"anchor differs from the group's (spread {spread:.2e})", keep_local=True,
+                         min_outer_step=reference["outer_step"] + 1)
             return
+        diverged = sum(diloco.digest_spread(m["digest"], reference["digest"]) > self.cfg.anchor_tolerance
+                       for m in members)
         with self.state_lock:
             diloco.outer_step_(self.anchor, self.momentum, outcome.average, outer_lr=self.cfg.outer_lr,
                                outer_momentum=self.cfg.outer_momentum)
@@ -284,12 +288,13 @@ class Peer:
         report = outcome.report
         self.metrics.log("outer", outer_step=self.outer_step, group_size=len(members), weight=weight,
                          staleness=age, round_s=outcome.round_s, bytes_sent=report.bytes_sent,
-                         bytes_recv=report.bytes_recv, eval_loss=self._evaluate(), anchor_spread=spread)
+                         bytes_recv=report.bytes_recv, eval_loss=self._evaluate(), anchor_spread=spread,
+                         diverged_members=diverged)
 
-    def _resync(self, reason: str, *, keep_local: bool) -> None:
+    def _resync(self, reason: str, *, keep_local: bool, min_outer_step: int = 0) -> None:
         self._progress(f"p2pdiloco: resyncing state ({reason}) ...")
         loaded = state.download_state(self.averager, self.cfg, self.numel, timeout=self.cfg.state_timeout,
-                                      stop_event=self.stop_event)
+                                      min_outer_step=min_outer_step, stop_event=self.stop_event)
         if loaded is None:
             self.metrics.log("round_failed", reason=f"resync failed: {reason}", outer_step=self.outer_step)
             return

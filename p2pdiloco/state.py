@@ -41,7 +41,7 @@ def validate_state(metadata, tensors, cfg, numel: int) -> OuterState:
         raise ValueError(f"state is from another run or model config ({metadata.get('run_id')!r}, "
                          f"{metadata.get('fingerprint')!r})")
     outer_step = metadata.get("outer_step")
-    if not isinstance(outer_step, int) or outer_step < 0:
+    if not isinstance(outer_step, int) or isinstance(outer_step, bool) or outer_step < 0:
         raise ValueError(f"bad outer_step {outer_step!r}")
     if len(tensors) != 2:
         raise ValueError(f"expected 2 tensors (anchor, momentum), got {len(tensors)}")
@@ -54,30 +54,47 @@ def validate_state(metadata, tensors, cfg, numel: int) -> OuterState:
     return OuterState(outer_step=outer_step, anchor=anchor.clone(), momentum=momentum.clone())
 
 
-def download_state(averager, cfg, numel: int, *, timeout: float, progress=None,
+def best_shared_outer_step(dht, cfg) -> float:
+    """The highest outer step that a peer currently offers for download (-1 if none)."""
+    found = dht.get(f"{cfg.dht_prefix}.all_averagers", latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return -1.0
+    steps = [v.value for v in found.value.values() if isinstance(v.value, (int, float))]
+    return max(steps, default=-1.0)
+
+
+def download_state(averager, cfg, numel: int, *, timeout: float, min_outer_step: int = 0, progress=None,
                    stop_event=None) -> Optional[OuterState]:
     """Download the outer state from the most advanced peer that shares it, retrying until `timeout`.
-    Returns None if no peer shared a usable state in time."""
+
+    min_outer_step: wait until some peer offers at least this outer step (a member that left a round
+    diverged waits for the others to apply it). Returns None if no usable state came in time."""
     deadline = time.monotonic() + timeout
     attempt = 0
     while True:
+        if stop_event is not None and stop_event.is_set():
+            return None
         attempt += 1
         t0 = time.monotonic()
-        try:
-            result = averager.load_state_from_peers(timeout=max(1.0, min(cfg.state_timeout, deadline - t0)))
-        except Exception as e:  # a timeout or a broken stream: try again while time is left
-            logger.info(f"state download attempt {attempt} failed: {e!r}")
+        if min_outer_step > 0 and best_shared_outer_step(averager.dht, cfg) < min_outer_step:
             result = None
+        else:
+            try:
+                result = averager.load_state_from_peers(timeout=max(1.0, min(cfg.state_timeout, deadline - t0)))
+            except Exception as e:  # a timeout or a broken stream: try again while time is left
+                logger.info(f"state download attempt {attempt} failed: {e!r}")
+                result = None
         if result is not None:
             metadata, tensors = result
             try:
                 state = validate_state(metadata, tensors, cfg, numel)
                 state.download_s = time.monotonic() - t0
-                return state
+                if state.outer_step >= min_outer_step:
+                    return state
             except ValueError as e:
                 logger.warning(f"rejected a downloaded state: {e}")
-        if time.monotonic() + 1.0 >= deadline or (stop_event is not None and stop_event.is_set()):
+        if time.monotonic() + 0.5 >= deadline:
             return None
         if progress is not None and attempt == 1:
             progress("p2pdiloco: no peer shares state yet, retrying ...")
-        time.sleep(1.0)
+        time.sleep(0.25 if min_outer_step > 0 else 1.0)

@@ -1,0 +1,59 @@
+"""Shared fixtures: a small learnable corpus written by the test (no download), the tiny preset,
+and a session-wide reaper for any p2pd daemon a test leaves behind."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "peers" / "tiny-cpu.toml")
+
+
+def _p2pd_pids() -> set[int]:
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if Path(f"/proc/{entry}/comm").read_text().strip() == "p2pd":
+                    pids.add(int(entry))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.fixture(scope="session", autouse=True)
+def reap_p2pd():
+    """Kill p2pd daemons started during the session that are still alive at its end."""
+    before = _p2pd_pids()
+    yield
+    for pid in _p2pd_pids() - before:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def make_corpus(path: Path, size: int = 300_000, seed: int = 0) -> Path:
+    """Sentences from a small grammar: learnable in a minute, so a falling loss is visible."""
+    rng = random.Random(seed)
+    subjects = ["the king", "a fool", "my lord", "the queen", "good sir", "the ghost", "our army", "fair maid"]
+    verbs = ["speaks", "weeps", "fights", "sleeps", "laughs", "rides", "prays", "sings"]
+    objects = ["at dawn", "in the hall", "for honour", "with the sword", "by the sea", "to the crown"]
+    lines = []
+    total = 0
+    while total < size:
+        line = f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}.\n"
+        lines.append(line)
+        total += len(line)
+    path.write_text("".join(lines))
+    return path
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    return make_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")

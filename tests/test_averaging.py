@@ -1,0 +1,79 @@
+"""Multi-peer averaging with real hivemind DHTs and averagers on 127.0.0.1 (in this process)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import hivemind
+import pytest
+import torch
+
+from p2pdiloco.averaging import DilocoAverager, RoundRunner
+from p2pdiloco.config import Config
+
+pytestmark = pytest.mark.timeout(120)
+
+N = 50_000
+
+
+@contextlib.contextmanager
+def peers(count: int, **overrides):
+    """`count` DHT nodes + averagers joined through the first; all shut down on exit."""
+    cfg = Config(host_maddrs=["/ip4/127.0.0.1/tcp/0"], matchmaking_time=2.0, request_timeout=1.0,
+                 allreduce_timeout=10.0, run_id="avgtest", **overrides)
+    dhts, averagers = [], []
+    try:
+        dhts.append(hivemind.DHT(start=True, host_maddrs=cfg.host_maddrs))
+        first = [str(a) for a in dhts[0].get_visible_maddrs()]
+        for _ in range(count - 1):
+            dhts.append(hivemind.DHT(start=True, host_maddrs=cfg.host_maddrs, initial_peers=first))
+        for dht in dhts:
+            averagers.append(DilocoAverager([torch.zeros(N)], dht, cfg=cfg, state_fn=lambda: ({}, [])))
+        yield cfg, [RoundRunner(a, d, cfg) for a, d in zip(averagers, dhts)]
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
+def test_group_averages_weighted_pseudo_grads_and_members_agree():
+    with peers(3) as (cfg, runners):
+        grads = [torch.randn(N) for _ in runners]
+        weights = [1.0, 2.0, 5.0]
+        futures = [r.start(g, weight=w, gather={"i": i}) for i, (r, g, w) in enumerate(zip(runners, grads, weights))]
+        outcomes = [f.result(timeout=60) for f in futures]
+    expected = sum(w * g for w, g in zip(weights, grads)) / sum(weights)
+    for o in outcomes:
+        assert o.ok, o.reason
+        assert len(o.members) == 3
+        assert sorted(m["i"] for m in o.members.values()) == [0, 1, 2]
+        assert o.report.complete and o.report.bytes_sent > 0 and o.report.bytes_recv > 0
+        # fp16 transport: about 3 significant digits
+        torch.testing.assert_close(o.average, expected, atol=5e-3, rtol=5e-3)
+    for o in outcomes[1:]:
+        torch.testing.assert_close(o.average, outcomes[0].average, atol=5e-3, rtol=0)
+
+
+def test_whoever_is_ready_forms_the_group():
+    with peers(3) as (cfg, runners):
+        futures = [r.start(torch.full((N,), float(i)), weight=1.0, gather={"i": i})
+                   for i, r in enumerate(runners[:2])]
+        outcomes = [f.result(timeout=60) for f in futures]
+        for o in outcomes:
+            assert o.ok, o.reason
+            assert len(o.members) == 2
+            torch.testing.assert_close(o.average, torch.full((N,), 0.5), atol=1e-3, rtol=0)
+        # the third peer is alone in its window: no solo outer step, a failed round instead
+        alone = runners[2].start(torch.ones(N), weight=1.0, gather={"i": 2}).result(timeout=60)
+        assert not alone.ok and "no group" in alone.reason
+        assert alone.average is None
+
+
+def test_fp32_transport_is_exact():
+    with peers(2, compression="none") as (cfg, runners):
+        grads = [torch.randn(N), torch.randn(N)]
+        outcomes = [f.result(timeout=60) for f in [r.start(g, weight=1.0, gather={}) for r, g in zip(runners, grads)]]
+    for o in outcomes:
+        assert o.ok, o.reason
+        torch.testing.assert_close(o.average, (grads[0] + grads[1]) / 2, atol=1e-6, rtol=1e-6)

@@ -1,0 +1,160 @@
+"""Config: presets, overrides, validation and the fingerprint that keys the swarm."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from p2pdiloco.config import MODEL_KEYS, Config, ConfigError
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_defaults_are_valid():
+    cfg = Config()
+    assert cfg.inner_steps == 50
+    assert cfg.request_timeout < cfg.matchmaking_time
+    assert cfg.host_maddrs == ["/ip4/0.0.0.0/tcp/0"]
+    # list defaults are not shared between instances
+    other = Config()
+    other.initial_peers.append("/ip4/1.2.3.4/tcp/1")
+    assert Config().initial_peers == []
+
+
+def test_presets_load():
+    tiny = Config.from_sources(ROOT / "peers" / "tiny-cpu.toml")
+    assert tiny.run_id == "tiny"
+    assert (tiny.n_layer, tiny.n_head, tiny.n_embd) == (2, 4, 64)
+    assert tiny.host_maddrs == ["/ip4/127.0.0.1/tcp/0"]
+    assert tiny.threads == 1
+    assert isinstance(tiny.inner_lr, float) and tiny.inner_lr == pytest.approx(3e-3)
+
+    small = Config.from_sources(str(ROOT / "peers" / "small-gpu.toml"))
+    assert small.run_id == "small-gpu"
+    assert (small.n_layer, small.n_head, small.n_embd, small.block_size) == (12, 12, 768, 512)
+    assert small.fingerprint() != tiny.fingerprint()
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "peer.toml"
+    path.write_text(text)
+    return path
+
+
+def test_unknown_key_in_toml(tmp_path):
+    path = _write(tmp_path, "[inner]\ninner_steps = 10\ninner_stepz = 20\n")
+    with pytest.raises(ConfigError, match="inner_stepz"):
+        Config.from_sources(path)
+
+
+def test_unknown_override_key():
+    with pytest.raises(ConfigError, match="no_such_key"):
+        Config.from_sources(None, {"no_such_key": 1})
+
+
+def test_bad_toml(tmp_path):
+    path = _write(tmp_path, "inner_steps = = 3\n[oops\n")
+    with pytest.raises(ConfigError):
+        Config.from_sources(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        Config.from_sources(tmp_path / "nope.toml")
+
+
+def test_nested_table_and_duplicate_key(tmp_path):
+    with pytest.raises(ConfigError):
+        Config.from_sources(_write(tmp_path, "[a.b]\nseed = 1\n"))
+    with pytest.raises(ConfigError, match="seed"):
+        Config.from_sources(_write(tmp_path, "[a]\nseed = 1\n[b]\nseed = 2\n"))
+
+
+@pytest.mark.parametrize("overrides", [
+    {"inner_steps": 0},
+    {"inner_lr": -1e-3},
+    {"outer_momentum": 1.0},
+    {"request_timeout": 2.5, "matchmaking_time": 2.5},
+    {"request_timeout": 3.0, "matchmaking_time": 2.5},
+    {"n_embd": 65, "n_head": 4},
+    {"compression": "int3"},
+    {"initial_peers": ["not-a-maddr"]},
+    {"initial_peers": "not-a-maddr"},
+    {"run_id": "my.run"},
+    {"inner_steps": "abc"},
+    {"inner_steps": 2.5},
+    {"outer_lr": float("nan")},
+    {"outer_lr": "nan"},
+    {"outer_lr": float("inf")},
+    {"client_mode": "maybe"},
+    {"host_maddrs": []},
+    {"min_group_size": 5, "target_group_size": 4},
+    {"device": "tpu"},
+])
+def test_invalid_values(overrides):
+    with pytest.raises(ConfigError):
+        Config.from_sources(None, overrides)
+
+
+def test_invalid_value_in_file(tmp_path):
+    with pytest.raises(ConfigError, match="outer_lr"):
+        Config.from_sources(_write(tmp_path, "[outer]\nouter_lr = nan\n"))
+    with pytest.raises(ConfigError, match="inner_steps"):
+        Config.from_sources(_write(tmp_path, '[inner]\ninner_steps = "abc"\n'))
+
+
+def test_invalid_values_direct_construction():
+    for kw in ({"inner_steps": 0}, {"run_id": "a.b"}, {"compression": "int3"},
+               {"initial_peers": ["not-a-maddr"]}, {"outer_momentum": 1.0}):
+        with pytest.raises(ConfigError):
+            Config(**kw)
+
+
+def test_overrides_win_over_file(tmp_path):
+    path = _write(tmp_path, '[run]\nrun_id = "file-run"\n[inner]\ninner_steps = 10\ninner_lr = 1e-3\n')
+    cfg = Config.from_sources(path)
+    assert (cfg.run_id, cfg.inner_steps, cfg.inner_lr) == ("file-run", 10, 1e-3)
+    cfg = Config.from_sources(path, {"inner_steps": 20, "inner_lr": "2e-3"})
+    assert cfg.inner_steps == 20 and isinstance(cfg.inner_steps, int)
+    assert cfg.inner_lr == pytest.approx(2e-3) and isinstance(cfg.inner_lr, float)
+    assert cfg.run_id == "file-run"
+    # strings from the command line are coerced
+    cfg = Config.from_sources(path, {"inner_steps": "30", "client_mode": "yes"})
+    assert cfg.inner_steps == 30 and cfg.client_mode is True
+
+
+def test_list_fields_accept_comma_separated_string():
+    a, b = "/ip4/127.0.0.1/tcp/1234", "/ip4/10.0.0.2/tcp/5678"
+    cfg = Config.from_sources(None, {"initial_peers": f"{a},{b}"})
+    assert cfg.initial_peers == [a, b]
+    cfg = Config.from_sources(None, {"initial_peers": ""})
+    assert cfg.initial_peers == []
+    cfg = Config.from_sources(None, {"host_maddrs": [a]})
+    assert cfg.host_maddrs == [a]
+
+
+def test_fingerprint_ignores_non_model_keys():
+    base = Config()
+    other = Config(inner_lr=1e-4, batch_size=3, outer_lr=0.3, inner_steps=7, seed=42)
+    assert base.fingerprint() == other.fingerprint()
+    assert base.dht_prefix == other.dht_prefix
+    assert len(base.fingerprint()) == 12
+
+
+def test_fingerprint_changes_with_model_or_run():
+    base = Config()
+    assert Config(n_layer=3).fingerprint() != base.fingerprint()
+    assert Config(run_id="another").fingerprint() != base.fingerprint()
+    assert Config(run_id="another").dht_prefix != base.dht_prefix
+    changed = {"n_layer": 3, "n_head": 8, "n_embd": 128, "block_size": 32, "vocab_size": 300}
+    assert set(changed) == set(MODEL_KEYS)
+    for key, value in changed.items():
+        assert Config(**{key: value}).fingerprint() != base.fingerprint(), key
+
+
+def test_dht_prefix_has_no_dot():
+    for cfg in (Config(), Config(run_id="a-b_c"), Config.from_sources(ROOT / "peers" / "tiny-cpu.toml")):
+        assert "." not in cfg.dht_prefix
+        assert cfg.run_id in cfg.dht_prefix
+        assert cfg.fingerprint() in cfg.dht_prefix

@@ -1,0 +1,367 @@
+"""Exact DiLoCo math against hand-written references (CPU torch only, no network)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from p2pdiloco import diloco, state
+from p2pdiloco.averaging import contribution_weight
+from p2pdiloco.config import Config
+from p2pdiloco.model import GPT, flat_params, load_flat_
+
+OUTER_LR = 0.7
+OUTER_MOMENTUM = 0.9
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# --- pseudo-gradient ---------------------------------------------------------------------------
+
+
+def test_pseudo_grad_is_anchor_minus_snapshot():
+    anchor = torch.tensor([1.0, -2.0, 3.5, 0.0])
+    snapshot = torch.tensor([0.5, -1.0, 4.0, 2.0])
+    g = diloco.pseudo_grad(anchor, snapshot)
+    assert_close(g, torch.tensor([0.5, -1.0, -0.5, -2.0]))
+    # inputs are not modified
+    assert_close(anchor, torch.tensor([1.0, -2.0, 3.5, 0.0]))
+    assert_close(snapshot, torch.tensor([0.5, -1.0, 4.0, 2.0]))
+
+
+def test_pseudo_grad_random():
+    a = torch.randn(1000, generator=_gen(1))
+    s = torch.randn(1000, generator=_gen(2))
+    assert_close(diloco.pseudo_grad(a, s), a - s, rtol=0, atol=0)
+
+
+# --- outer Nesterov step -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("outer_lr,outer_momentum", [(0.7, 0.9), (0.5, 0.0), (1.0, 0.5)])
+def test_outer_step_matches_torch_sgd_nesterov(outer_lr, outer_momentum):
+    n, steps = 257, 5
+    anchor0 = torch.randn(n, generator=_gen(10))
+    grads = [torch.randn(n, generator=_gen(100 + i)) for i in range(steps)]
+
+    # reference: torch's SGD with Nesterov momentum, pseudo-gradient used as .grad
+    param = torch.nn.Parameter(anchor0.clone())
+    # (torch refuses nesterov=True without momentum; plain SGD is the same update then)
+    opt = torch.optim.SGD([param], lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
+
+    anchor = anchor0.clone()
+    momentum = torch.zeros(n)
+    for g in grads:
+        param.grad = g.clone()
+        opt.step()
+        diloco.outer_step_(anchor, momentum, g, outer_lr=outer_lr, outer_momentum=outer_momentum)
+        assert_close(anchor, param.detach())
+        if outer_momentum > 0:
+            assert_close(momentum, opt.state[param]["momentum_buffer"])
+    # the anchor actually moved
+    assert not torch.allclose(anchor, anchor0)
+
+
+def test_outer_step_one_step_by_hand():
+    anchor = torch.tensor([1.0, 2.0])
+    momentum = torch.tensor([0.5, -1.0])
+    g = torch.tensor([0.2, 0.4])
+    diloco.outer_step_(anchor, momentum, g, outer_lr=0.5, outer_momentum=0.9)
+    # momentum = 0.9 * [0.5, -1.0] + [0.2, 0.4] = [0.65, -0.5]
+    assert_close(momentum, torch.tensor([0.65, -0.5]))
+    # anchor = [1, 2] - 0.5 * ([0.2, 0.4] + 0.9 * [0.65, -0.5])
+    #        = [1, 2] - 0.5 * [0.785, -0.05] = [0.6075, 2.025]
+    assert_close(anchor, torch.tensor([0.6075, 2.025]))
+    # the pseudo-gradient is not modified in place
+    assert_close(g, torch.tensor([0.2, 0.4]))
+
+
+def test_outer_step_once_per_group_not_per_arrival():
+    n = 64
+    anchor0 = torch.randn(n, generator=_gen(3))
+    momentum0 = torch.randn(n, generator=_gen(4))
+    grads = [torch.randn(n, generator=_gen(20 + i)) for i in range(3)]
+    weights = [contribution_weight(t, a) for t, a in ((100, 0), (300, 3), (50, 1))]
+    total = sum(weights)
+    mean = sum(w * g for w, g in zip(weights, grads)) / total
+
+    # once per group, with the weighted mean
+    a_group, m_group = anchor0.clone(), momentum0.clone()
+    diloco.outer_step_(a_group, m_group, mean, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
+
+    # by hand
+    m_hand = OUTER_MOMENTUM * momentum0 + mean
+    a_hand = anchor0 - OUTER_LR * (mean + OUTER_MOMENTUM * m_hand)
+    assert_close(m_group, m_hand)
+    assert_close(a_group, a_hand)
+
+    # the weighted mean by hand, element-wise for one coordinate
+    i = 7
+    mean_i = sum(w * float(g[i]) for w, g in zip(weights, grads)) / total
+    assert mean[i].item() == pytest.approx(mean_i, rel=1e-5)
+
+    # once per arrival, each arrival carrying its weighted share (same sum of pseudo-gradients):
+    # with momentum this is NOT the same update
+    a_arr, m_arr = anchor0.clone(), momentum0.clone()
+    for w, g in zip(weights, grads):
+        diloco.outer_step_(a_arr, m_arr, g * (w / total), outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
+    assert (a_arr - a_group).abs().max() > 1e-2
+    assert (m_arr - m_group).abs().max() > 1e-2
+
+    # without momentum the step is linear and both ways agree (so the difference above is the momentum)
+    a_g0, m_g0 = anchor0.clone(), torch.zeros(n)
+    diloco.outer_step_(a_g0, m_g0, mean, outer_lr=OUTER_LR, outer_momentum=0.0)
+    a_a0, m_a0 = anchor0.clone(), torch.zeros(n)
+    for w, g in zip(weights, grads):
+        diloco.outer_step_(a_a0, m_a0, g * (w / total), outer_lr=OUTER_LR, outer_momentum=0.0)
+    assert_close(a_a0, a_g0)
+
+
+# --- merge ---------------------------------------------------------------------------------------
+
+
+def test_merge_local_keeps_progress():
+    new_anchor = torch.tensor([1.0, 2.0, 3.0])
+    local = torch.tensor([0.5, 0.5, 0.5])
+    snapshot = torch.tensor([0.25, 1.0, 0.5])
+    assert_close(diloco.merge_local(new_anchor, local, snapshot), torch.tensor([1.25, 1.5, 3.0]))
+
+
+def test_merge_local_without_progress_is_new_anchor():
+    new_anchor = torch.randn(100, generator=_gen(5))
+    local = torch.randn(100, generator=_gen(6))
+    out = diloco.merge_local(new_anchor, local, local.clone())
+    assert_close(out, new_anchor, rtol=0, atol=0)
+    # a fresh tensor, not an alias of the anchor
+    assert out.data_ptr() != new_anchor.data_ptr()
+
+
+# --- inner lr schedule -----------------------------------------------------------------------
+
+
+SCHED = dict(inner_lr=1e-3, warmup_steps=10, total_steps=100, min_lr_ratio=0.1)
+
+
+def _lr(position: int, **kw) -> float:
+    return diloco.inner_lr_at(position, **{**SCHED, **kw})
+
+
+def test_inner_lr_warmup_is_linear():
+    assert _lr(0) == pytest.approx(1e-3 / 10)
+    assert _lr(9) == pytest.approx(1e-3)
+    for p in range(10):
+        assert _lr(p) == pytest.approx(1e-3 * (p + 1) / 10)
+
+
+def test_inner_lr_peak_and_cosine():
+    peak = max(_lr(p) for p in range(0, 300))
+    assert peak == pytest.approx(1e-3)
+    assert _lr(10) == pytest.approx(1e-3)                                   # warmup end
+    assert _lr(55) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5))               # half way: cos = 0
+    p = 30
+    want = 1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (p - 10) / 90)))
+    assert _lr(p) == pytest.approx(want)
+    assert _lr(100) == pytest.approx(1e-4)
+    assert _lr(101) == pytest.approx(1e-4)
+    assert _lr(10_000) == pytest.approx(1e-4)
+
+
+def test_inner_lr_monotone_after_warmup():
+    lrs = [_lr(p) for p in range(9, 250)]
+    assert all(b <= a + 1e-15 for a, b in zip(lrs, lrs[1:]))
+    assert lrs[0] > lrs[-1]
+
+
+def test_inner_lr_without_warmup_starts_at_peak():
+    assert _lr(0, warmup_steps=0) == pytest.approx(1e-3)
+    assert _lr(100, warmup_steps=0) == pytest.approx(1e-4)
+
+
+# --- contribution weight -------------------------------------------------------------------------
+
+
+def test_contribution_weight():
+    assert contribution_weight(1000, 0) == pytest.approx(1000.0)
+    assert contribution_weight(1000, 3) == pytest.approx(500.0)
+    assert contribution_weight(800, 8) == pytest.approx(800 / 3)
+    assert contribution_weight(1000, -5) == pytest.approx(1000.0)
+    assert contribution_weight(0, 0) > 0
+    assert contribution_weight(0, 0) >= 1.0
+    assert contribution_weight(0, 3) > 0
+    # staler is lighter, more tokens is heavier
+    assert contribution_weight(1000, 1) < contribution_weight(1000, 0)
+    assert contribution_weight(2000, 1) > contribution_weight(1000, 1)
+
+
+# --- anchor digest -----------------------------------------------------------------------------
+
+
+def test_digest_indices_deterministic():
+    a = diloco.digest_indices(10_000)
+    b = diloco.digest_indices(10_000)
+    assert torch.equal(a, b)
+    assert a.numel() == diloco.DIGEST_SIZE
+    assert int(a.min()) >= 0 and int(a.max()) < 10_000
+    small = diloco.digest_indices(100)
+    assert small.numel() == 100 and int(small.max()) < 100
+    assert not torch.equal(diloco.digest_indices(10_001)[:50], a[:50])
+
+
+def test_digest_spread():
+    numel = 10_000
+    idx = diloco.digest_indices(numel)
+    anchor = torch.randn(numel, generator=_gen(7))
+    d = diloco.anchor_digest(anchor, idx)
+    assert isinstance(d, list) and len(d) == idx.numel()
+    assert d == anchor[idx].tolist()
+    assert diloco.digest_spread(d, diloco.anchor_digest(anchor.clone(), idx)) == 0.0
+
+    perturbed = anchor * (1 + 1e-2)
+    dp = diloco.anchor_digest(perturbed, idx)
+    assert diloco.digest_spread(dp, d) == pytest.approx(1e-2, rel=1e-3)
+    assert diloco.digest_spread(d, dp) == pytest.approx(1e-2, rel=2e-2)
+
+    far = diloco.anchor_digest(anchor + 1.0, idx)
+    assert diloco.digest_spread(far, d) > 0.5
+
+    assert diloco.digest_spread(d, d[:-1]) == math.inf
+    assert diloco.digest_spread(d[:10], d) == math.inf
+
+
+# --- flat parameters ---------------------------------------------------------------------------
+
+
+def _tiny_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT.from_config(Config(n_layer=1, n_head=2, n_embd=16, block_size=8))
+
+
+def test_flat_params_round_trip():
+    model = _tiny_gpt()
+    flat = flat_params(model)
+    n = sum(p.numel() for p in model.parameters())
+    assert flat.shape == (n,) and flat.dtype == torch.float32
+    new = torch.randn(n, generator=_gen(8))
+    load_flat_(model, new)
+    assert_close(flat_params(model), new, rtol=0, atol=0)
+    # flat_params is a copy, not a view
+    got = flat_params(model)
+    got.zero_()
+    assert_close(flat_params(model), new, rtol=0, atol=0)
+    # parameters in order: the first one is the token embedding
+    assert_close(model.wte.weight.detach().reshape(-1), new[: model.wte.weight.numel()], rtol=0, atol=0)
+    # and back
+    load_flat_(model, flat)
+    assert_close(flat_params(model), flat, rtol=0, atol=0)
+
+
+def test_load_flat_too_long_raises_value_error():
+    model = _tiny_gpt()
+    n = flat_params(model).numel()
+    with pytest.raises(ValueError):
+        load_flat_(model, torch.zeros(n + 1))
+
+
+def test_load_flat_too_short_raises_value_error_and_keeps_weights():
+    model = _tiny_gpt()
+    before = flat_params(model)
+    with pytest.raises(ValueError):
+        load_flat_(model, torch.zeros(before.numel() - 1))
+    torch.testing.assert_close(flat_params(model), before)
+
+
+# --- outer state validation ------------------------------------------------------------------
+
+
+NUMEL = 50
+
+
+def _good(cfg: Config, outer_step: int = 3):
+    metadata = state.make_metadata(cfg, outer_step)
+    tensors = [torch.randn(NUMEL, generator=_gen(9)), torch.randn(NUMEL, generator=_gen(10))]
+    return metadata, tensors
+
+
+def test_validate_state_accepts_good_state():
+    cfg = Config()
+    metadata, tensors = _good(cfg)
+    st = state.validate_state(metadata, tensors, cfg, NUMEL)
+    assert st.outer_step == 3
+    assert_close(st.anchor, tensors[0], rtol=0, atol=0)
+    assert_close(st.momentum, tensors[1], rtol=0, atol=0)
+    # copies, not aliases of the downloaded tensors
+    tensors[0].zero_()
+    assert st.anchor.abs().sum() > 0
+
+
+def test_validate_state_accepts_other_shapes_and_dtypes():
+    cfg = Config()
+    metadata, (a, m) = _good(cfg, 0)
+    st = state.validate_state(metadata, [a.view(5, 10).half(), m.view(10, 5)], cfg, NUMEL)
+    assert st.anchor.shape == (NUMEL,) and st.anchor.dtype == torch.float32
+    assert st.outer_step == 0
+
+
+def _rejects(metadata, tensors, cfg, numel=NUMEL):
+    with pytest.raises(ValueError):
+        state.validate_state(metadata, tensors, cfg, numel)
+
+
+def test_validate_state_rejects_other_fingerprint():
+    cfg = Config()
+    metadata, tensors = _good(Config(n_embd=128))
+    _rejects(metadata, tensors, cfg)
+
+
+def test_validate_state_rejects_other_run_id():
+    cfg = Config()
+    metadata, tensors = _good(Config(run_id="other-run"))
+    _rejects(metadata, tensors, cfg)
+    # the run_id is checked by itself too, not only through the fingerprint
+    metadata, tensors = _good(cfg)
+    metadata["run_id"] = "other-run"
+    _rejects(metadata, tensors, cfg)
+
+
+def test_validate_state_rejects_bad_metadata():
+    cfg = Config()
+    _, tensors = _good(cfg)
+    _rejects(None, tensors, cfg)
+    _rejects([], tensors, cfg)
+    _rejects({}, tensors, cfg)
+
+
+def test_validate_state_rejects_wrong_tensor_count():
+    cfg = Config()
+    metadata, tensors = _good(cfg)
+    _rejects(metadata, tensors[:1], cfg)
+    _rejects(metadata, tensors + [tensors[0].clone()], cfg)
+
+
+def test_validate_state_rejects_wrong_numel():
+    cfg = Config()
+    metadata, tensors = _good(cfg)
+    _rejects(metadata, tensors, cfg, NUMEL + 1)
+    _rejects(metadata, [tensors[0], tensors[1][:-1]], cfg)
+
+
+@pytest.mark.parametrize("which", [0, 1])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_validate_state_rejects_non_finite(which, bad):
+    cfg = Config()
+    metadata, tensors = _good(cfg)
+    tensors[which][17] = bad
+    _rejects(metadata, tensors, cfg)
+
+
+@pytest.mark.parametrize("outer_step", [-1, 3.0, "3", None])
+def test_validate_state_rejects_bad_outer_step(outer_step):
+    cfg = Config()
+    metadata, tensors = _good(cfg)
+    metadata["outer_step"] = outer_step
+    _rejects(metadata, tensors, cfg)
