@@ -36,12 +36,16 @@ from typing import Any, Callable, Optional
 import hivemind
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import Float16Compression, NoCompression
 from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.timed_storage import get_dht_time
 
 logger = logging.getLogger(__name__)
+
+
+ABSTAIN = "abstain"  # verdict of a member whose own contribution was excluded: it does not apply, others may
 
 
 @dataclass
@@ -53,6 +57,56 @@ class RoundReport:
     reason: str = ""
     bytes_sent: int = 0
     bytes_recv: int = 0
+    rejected: dict = field(default_factory=dict)  # sender peer id -> why its parts were excluded or clipped
+
+
+@dataclass
+class ContributionPolicy:
+    """How our reducer treats each sender's parts, decided from what the members announced when the
+    group formed (pseudo-gradient norm and weight; every member announces them in the gather).
+
+    Excluded (weight 0): a part that is not finite or not of the expected shape and dtype; a
+    sender that announced a non-finite norm or one over `max_norm_ratio` times the group's lower
+    median; a part larger than its sender's announced norm allows. Weights are capped at
+    `max_norm_ratio` times the median weight. Every member derives the same policy, so every
+    reducer treats a sender the same way and the round stays consistent."""
+
+    scales: list          # per sender: 1.0 = used, 0.0 = excluded
+    norm_caps: list       # per sender: the largest part norm consistent with its announcement
+    weight_caps: list     # per sender: the largest weight it may claim
+    notes: dict           # sender index -> reason
+
+    @classmethod
+    def from_gathered(cls, gathered: list, *, max_norm_ratio: float) -> "ContributionPolicy":
+        norms = [g.get("norm") if isinstance(g, dict) else None for g in gathered]
+        weights = [g.get("weight") if isinstance(g, dict) else None for g in gathered]
+        median = _lower_median([n for n in norms if isinstance(n, (int, float)) and math.isfinite(n) and n >= 0])
+        median_w = _lower_median([w for w in weights if isinstance(w, (int, float)) and math.isfinite(w) and w > 0])
+        scales, caps, notes = [], [], {}
+        for i, n in enumerate(norms):
+            if not isinstance(n, (int, float)) or not math.isfinite(n) or n < 0:
+                scales.append(0.0)
+                caps.append(0.0)
+                notes[i] = f"announced pseudo-gradient norm {n!r}"
+            elif median > 0 and n > max_norm_ratio * median:
+                # far outside the group: excluded. Scaling it down keeps a wrong direction (fp16
+                # transport even clamps such values), which measurably hurt the others' loss.
+                scales.append(0.0)
+                caps.append(0.0)
+                notes[i] = f"norm {n:.3g} > {max_norm_ratio:g}x the group median {median:.3g}: excluded"
+            else:
+                scales.append(1.0)
+                caps.append(n * 1.01 + 1e-6)
+        return cls(scales, caps, [max_norm_ratio * (median_w or 1.0)] * len(norms), notes)
+
+    @property
+    def valid(self) -> int:
+        return sum(scale > 0 for scale in self.scales)
+
+
+def _lower_median(values: list) -> float:
+    """The lower median: with two members, the smaller one (the safer guess of what is normal)."""
+    return sorted(values)[(len(values) - 1) // 2] if values else 0.0
 
 
 @dataclass
@@ -77,14 +131,41 @@ class _CountingStub:
 
 
 class CountingAllReduceRunner(AllReduceRunner):
-    """hivemind's butterfly all-reduce, counting the bytes of every message it sends and receives."""
+    """hivemind's butterfly all-reduce, counting the bytes of every message it sends and receives,
+    and checking every part our reducer accumulates against the group's ContributionPolicy."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, policy: Optional[ContributionPolicy] = None, **kwargs):
         self.bytes_sent = self.bytes_recv = 0
         self._serving = 0  # our reducer's result streams to groupmates still open
         self._served = asyncio.Event()
         self._served.set()
         super().__init__(*args, **kwargs)
+        self.policy = policy
+        self.rejected: dict[str, str] = {}
+        if policy is not None:
+            for index, note in policy.notes.items():
+                self.rejected[str(self.sender_peer_ids[index])] = note
+            self._accumulate = self.tensor_part_reducer.accumulate_part
+            self.tensor_part_reducer.accumulate_part = self._checked_accumulate
+
+    async def _checked_accumulate(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                                  weight: float = 1.0):
+        policy = self.policy
+        expected = self.tensor_part_reducer.part_shapes[part_index]
+        problem = None
+        if tensor_part.shape != expected or not tensor_part.dtype.is_floating_point:
+            problem = f"part of shape {tuple(tensor_part.shape)} {tensor_part.dtype}, expected {tuple(expected)}"
+        elif not torch.isfinite(tensor_part).all():
+            problem = "non-finite values"
+        elif policy.scales[sender_index] == 0.0:
+            problem = policy.notes.get(sender_index, "excluded")
+        elif float(tensor_part.float().norm()) > policy.norm_caps[sender_index]:
+            problem = "part larger than its announced norm"
+        if problem is not None:
+            self.rejected.setdefault(str(self.sender_peer_ids[sender_index]), problem)
+            return await self._accumulate(sender_index, part_index, torch.zeros(expected), weight=0.0)
+        weight = min(float(weight), policy.weight_caps[sender_index])
+        return await self._accumulate(sender_index, part_index, tensor_part, weight=weight)
 
     async def _count(self, stream, direction: str):
         async for msg in stream:
@@ -126,7 +207,7 @@ class CountingAllReduceRunner(AllReduceRunner):
         if self.banned_senders:
             problems.append(f"reducer dropped {len(self.banned_senders)} sender(s)")
         return RoundReport(group_id=self.group_id.hex(), complete=not problems, reason="; ".join(problems),
-                           bytes_sent=self.bytes_sent, bytes_recv=self.bytes_recv)
+                           bytes_sent=self.bytes_sent, bytes_recv=self.bytes_recv, rejected=dict(self.rejected))
 
 
 class DilocoAverager(hivemind.DecentralizedAverager):
@@ -136,6 +217,7 @@ class DilocoAverager(hivemind.DecentralizedAverager):
     def __init__(self, averaged_tensors, dht, *, cfg, state_fn: Callable[[], tuple], **kwargs):
         self._state_fn = state_fn
         self._reports: dict[bytes, RoundReport] = {}
+        self._max_norm_ratio = cfg.max_norm_ratio
         compression = Float16Compression() if cfg.compression == "fp16" else NoCompression()
         # hivemind hands whole parts to reducers: small parts spread a small model over the group
         vector_bytes = sum(t.numel() for t in averaged_tensors) * (2 if cfg.compression == "fp16" else 4)
@@ -164,9 +246,13 @@ class DilocoAverager(hivemind.DecentralizedAverager):
     async def _run_allreduce_inplace_(self, tensors, group_info: GroupInfo, group_id=None, **kwargs):
         # same as hivemind's, with our counting runner and a report kept for _aggregate_with_group
         group_id = group_info.group_id if group_id is None else group_id
+        gathered = [self.serializer.loads(self.serializer.loads(raw)[2]) for raw in group_info.gathered]
+        modes = kwargs.get("modes") or [AveragingMode.NODE] * len(gathered)
+        senders = [g for g, mode in zip(gathered, modes) if mode != AveragingMode.AUX]
+        policy = ContributionPolicy.from_gathered(senders, max_norm_ratio=self._max_norm_ratio)
         runner = CountingAllReduceRunner(
             p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
-            ordered_peer_ids=group_info.peer_ids, **kwargs,
+            ordered_peer_ids=group_info.peer_ids, policy=policy, **kwargs,
         )
         self._running_groups[group_id].set_result(runner)
         try:
@@ -188,28 +274,37 @@ class RoundRunner:
         self.averager, self.dht, self.cfg = averager, dht, cfg
         self.peer_id = str(dht.peer_id)
 
-    def start(self, pseudo_grad: torch.Tensor, *, weight: float, gather: dict) -> concurrent.futures.Future:
-        """Run one round in a daemon thread (a round stuck in hivemind must not block the exit)."""
+    def start(self, pseudo_grad: torch.Tensor, *, weight: float, gather: dict,
+              on_allreduce: Optional[Callable[[], None]] = None) -> concurrent.futures.Future:
+        """Run one round in a daemon thread (a round stuck in hivemind must not block the exit).
+        on_allreduce is called (from that thread) once the group is formed and the all-reduce begins."""
         future: concurrent.futures.Future = concurrent.futures.Future()
 
         def target() -> None:
             try:
-                future.set_result(self._run(pseudo_grad, weight, gather))
+                future.set_result(self._run(pseudo_grad, weight, gather, on_allreduce))
             except BaseException as e:
                 future.set_exception(e)
 
         threading.Thread(target=target, name="averaging-round", daemon=True).start()
         return future
 
-    def _run(self, pseudo_grad: torch.Tensor, weight: float, gather: dict) -> RoundOutcome:
+    def _run(self, pseudo_grad: torch.Tensor, weight: float, gather: dict, on_allreduce) -> RoundOutcome:
         t0 = time.monotonic()
         with self.averager.get_tensors() as (buffer,):
             buffer.copy_(pseudo_grad)
+        gather = {**gather, "norm": float(pseudo_grad.norm()), "weight": weight}
         try:
-            result = self.averager.step(
-                gather=gather, weight=weight, allow_retries=False,
+            control = self.averager.step(
+                gather=gather, weight=weight, allow_retries=False, wait=False,
                 timeout=self.cfg.matchmaking_time * 2 + self.cfg.request_timeout,
             )
+            while not control.done():
+                if control.stage == AveragingStage.RUNNING_ALLREDUCE and on_allreduce is not None:
+                    on_allreduce()
+                    on_allreduce = None
+                time.sleep(0.02)
+            result = control.result()
         except BaseException as e:  # hivemind raises many types here, all meaning "no usable round"
             reason = str(e) or type(e).__name__
             if "could not find a group" in reason:
@@ -221,16 +316,24 @@ class RoundRunner:
             return RoundOutcome(ok=False, reason="no group", round_s=time.monotonic() - t0)
         members, report = result["gathered"], result["report"]
         outcome = RoundOutcome(ok=False, members=members, report=report)
-        if len(members) < self.cfg.min_group_size:
-            outcome.reason = f"group of {len(members)} is below min_group_size"
+        # every member derives the same policy from the same announcements
+        policy = ContributionPolicy.from_gathered(list(members.values()), max_norm_ratio=self.cfg.max_norm_ratio)
+        mine = list(members).index(self.peer_id) if self.peer_id in members else -1
+        if policy.valid < self.cfg.min_group_size:
+            outcome.reason = f"only {policy.valid} usable contribution(s) in a group of {len(members)}"
         else:
             with self.averager.get_tensors() as (buffer,):
                 average = buffer.clone()
             finite = bool(torch.isfinite(average).all())
-            my_ok = report.complete and finite
-            all_ok, why = self._agree(report.group_id, list(members), my_ok)
+            # hivemind adds the group's delta to our own values: if the reducers excluded ours, our
+            # copy of the average is off, but the round is fine for the others
+            own_bad = mine < 0 or policy.scales[mine] == 0.0
+            verdict = ABSTAIN if (report.complete and own_bad) else (report.complete and finite)
+            all_ok, why = self._agree(report.group_id, list(members), verdict)
             if not report.complete:
                 outcome.reason = f"incomplete round: {report.reason}"
+            elif own_bad:
+                outcome.reason = f"our own contribution was rejected ({policy.notes.get(mine, 'excluded')}): not applying"
             elif not finite:
                 outcome.reason = "average is not finite"
             elif not all_ok:
@@ -240,12 +343,13 @@ class RoundRunner:
         outcome.round_s = time.monotonic() - t0
         return outcome
 
-    def _agree(self, group_id: str, members: list[str], my_ok: bool) -> tuple[bool, str]:
-        """Publish my verdict for this group and wait for all members' verdicts (all-or-nothing)."""
+    def _agree(self, group_id: str, members: list[str], verdict) -> tuple[bool, str]:
+        """Publish my verdict for this group (True, False or ABSTAIN) and wait for all members'
+        verdicts: the round applies only if none says False and none is missing."""
         key = f"{self.cfg.dht_prefix}_verdict_{group_id}"
         expiration = get_dht_time() + 4 * self.cfg.verdict_timeout
-        self.dht.store(key, subkey=self.peer_id, value=my_ok, expiration_time=expiration)
-        if not my_ok:
+        self.dht.store(key, subkey=self.peer_id, value=verdict, expiration_time=expiration)
+        if verdict is not True:
             return False, "this member's part was incomplete"
         deadline = time.monotonic() + self.cfg.verdict_timeout
         seen: dict[str, Any] = {}
@@ -256,7 +360,7 @@ class RoundRunner:
             if any(v is False for v in seen.values()):
                 bad = [k[-6:] for k, v in seen.items() if v is False]
                 return False, f"member(s) {', '.join(bad)} reported an incomplete round"
-            if all(seen.get(m) is True for m in members):
+            if all(seen.get(m) is True or seen.get(m) == ABSTAIN for m in members):
                 return True, ""
             time.sleep(0.05)
         missing = [m[-6:] for m in members if m not in seen]

@@ -70,6 +70,7 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
+    from p2pdiloco.checkpoint import CheckpointError
     from p2pdiloco.data import DataError
     from p2pdiloco.peer import Peer
     from p2pdiloco.swarm import SwarmError
@@ -81,7 +82,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         (Path(cfg.log_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     try:
         Peer(cfg, quiet=args.quiet).run()
-    except (DataError, SwarmError) as e:
+    except (DataError, SwarmError, CheckpointError) as e:
         print(f"p2pdiloco: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -84,6 +84,8 @@ class Config:
     next_chunk_timeout: float = _f(5.0, "Seconds without a chunk from a groupmate before it is dropped.")
     verdict_timeout: float = _f(5.0, "Seconds to wait for every member's verdict that its round was complete.")
     compression: str = _f("fp16", "Pseudo-gradient transport: fp16 or none (fp32).")
+    max_norm_ratio: float = _f(
+        10.0, "A contribution whose pseudo-gradient norm exceeds this many times the group median is clipped.")
     state_timeout: float = _f(30.0, "Seconds to look for peers that share state when joining.")
 
     # --- network --------------------------------------------------------------------------
@@ -95,6 +97,10 @@ class Config:
     use_relay: bool = _f(True, "Allow connections through relays.")
     use_auto_relay: bool = _f(False, "Look for relays automatically when unreachable.")
     bootstrap_timeout: float = _f(20.0, "Seconds to reach the initial peers before giving up.")
+
+    # --- checkpoints -------------------------------------------------------------------------
+    checkpoint_dir: str = _f("", "Directory for restartable checkpoints (written atomically; the last 2 are kept).")
+    checkpoint_every: int = _f(5, "Write a checkpoint every this many applied outer steps (and at a clean stop).")
 
     # --- running ---------------------------------------------------------------------------
     device: str = _f("auto", "auto, cpu, cuda or cuda:N.")
@@ -114,12 +120,13 @@ class Config:
         need(re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.run_id) is not None,
              f"run_id must be 1-64 letters, digits, '-' or '_', got {self.run_id!r}")
         for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "inner_steps",
-                    "target_group_size", "min_group_size", "eval_batches"):
+                    "target_group_size", "min_group_size", "eval_batches", "checkpoint_every"):
             need(getattr(self, key) >= 1, f"{key} must be >= 1, got {getattr(self, key)}")
         need(self.n_embd % self.n_head == 0, f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         need(self.min_group_size <= self.target_group_size, "min_group_size must be <= target_group_size")
         for key in ("inner_lr", "outer_lr", "matchmaking_time", "request_timeout", "allreduce_timeout",
-                    "next_chunk_timeout", "verdict_timeout", "log_interval", "state_timeout", "bootstrap_timeout"):
+                    "next_chunk_timeout", "verdict_timeout", "log_interval", "state_timeout", "bootstrap_timeout",
+                    "max_norm_ratio"):
             value = getattr(self, key)
             need(math.isfinite(value) and value > 0, f"{key} must be a positive number, got {value}")
         for key in ("weight_decay", "grad_clip", "max_time", "warmup_steps", "total_steps", "max_inner_steps",

@@ -7,6 +7,10 @@ Events (the contract documented in the README):
     join         after a state download: loaded_outer_step, download_s
     round_failed a discarded round: reason
     resync       a state reload after divergence or staleness: reason, loaded_outer_step
+    allreduce_started  the group formed and the all-reduce began: outer_step
+    bad_contribution   our reducer excluded or clipped a sender's parts: sender, reason
+    checkpoint_failed  a checkpoint write failed (the previous one is kept): reason
+    final        at a clean stop: inner_step, outer_step, eval_loss
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import json
 import logging
 import math
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -27,6 +32,7 @@ class Metrics:
         self.peer = peer
         self.quiet = quiet
         self._file = None
+        self._lock = threading.Lock()  # the round thread logs too
         if log_dir:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
             self._file = open(Path(log_dir) / "metrics.jsonl", "a", buffering=1)
@@ -36,16 +42,19 @@ class Metrics:
             return
         record = {"event": event, "time": round(time.time(), 3), "peer": self.peer}
         record.update({k: _clean(v) for k, v in fields.items()})
-        self._file.write(json.dumps(record) + "\n")
+        with self._lock:
+            if self._file is not None:
+                self._file.write(json.dumps(record) + "\n")
 
     def status(self, line: str) -> None:
         if not self.quiet:
             print(line, file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
 
 def _clean(value: Any) -> Any:

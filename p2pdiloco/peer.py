@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import sys
 import threading
@@ -21,13 +22,31 @@ from typing import Optional
 
 import torch
 
-from p2pdiloco import diloco, state, swarm
+from p2pdiloco import checkpoint, diloco, state, swarm
 from p2pdiloco.averaging import DilocoAverager, RoundOutcome, RoundRunner, contribution_weight
 from p2pdiloco.data import load_data
 from p2pdiloco.metrics import Metrics
 from p2pdiloco.model import GPT, flat_params, load_flat_, num_params
 
 logger = logging.getLogger(__name__)
+
+
+# Test-only: make this peer corrupt its own outgoing pseudo-gradient ("nan", "inf" or "huge"), so
+# tests can check that unmodified receivers reject or clip it.
+TEST_CORRUPT = os.environ.get("P2PDILOCO_TEST_CORRUPT", "")
+
+
+def corrupt_for_test(delta: torch.Tensor, how: str) -> torch.Tensor:
+    delta = delta.clone()
+    if how == "nan":
+        delta[::7] = float("nan")
+    elif how == "inf":
+        delta[0] = float("inf")
+    elif how == "huge":
+        delta *= 1e6
+    else:
+        raise ValueError(f"P2PDILOCO_TEST_CORRUPT must be nan, inf or huge, got {how!r}")
+    return delta
 
 
 def pick_device(name: str) -> torch.device:
@@ -64,6 +83,14 @@ class Peer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.device = pick_device(cfg.device)
+        self.resume = None
+        if cfg.checkpoint_dir:
+            checkpoint.ensure_writable(cfg.checkpoint_dir)
+            self.resume, path, problems = checkpoint.load_latest(cfg.checkpoint_dir, cfg)
+            for problem in problems:
+                self._progress(f"p2pdiloco: skipping a bad checkpoint: {problem}")
+            if self.resume is not None:
+                self._progress(f"p2pdiloco: resuming from {path} (outer step {self.resume['outer_step']})")
         self.data = load_data(cfg, progress=self._progress)
         torch.manual_seed(cfg.seed)  # every peer starts from the same init
         self.model = GPT.from_config(cfg).to(self.device)
@@ -76,6 +103,9 @@ class Peer:
                                      betas=(0.9, 0.95))
         self.eval_set = self.data.eval_batches(cfg.batch_size, cfg.eval_batches)
         self.autocast = self.device.type == "cuda"
+        self.tokens = 0
+        if self.resume is not None:
+            self._restore(self.resume)
 
         self.dht = swarm.start_dht(cfg)
         self.peer_id = str(self.dht.peer_id)
@@ -103,18 +133,57 @@ class Peer:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, handler)
 
+    def _restore(self, payload: dict) -> None:
+        """Resume from a checkpoint: outer state, local weights, inner optimizer and counters."""
+        numel = self.numel
+        for key in ("anchor", "momentum", "local"):
+            t = payload.get(key)
+            if not isinstance(t, torch.Tensor) or t.numel() != numel or not torch.isfinite(t).all():
+                raise checkpoint.CheckpointError(f"checkpoint field {key} is missing, of the wrong size or not finite")
+        self.anchor = payload["anchor"].float().clone()
+        self.momentum = payload["momentum"].float().clone()
+        self.outer_step = int(payload["outer_step"])
+        self.inner_step = int(payload.get("inner_step", 0))
+        self.tokens = int(payload.get("tokens", 0))
+        load_flat_(self.model, payload["local"].float())
+        try:
+            self.opt.load_state_dict(payload["inner_opt"])
+        except (KeyError, ValueError, RuntimeError) as e:
+            logger.warning(f"inner optimizer state not restored ({e!r}); AdamW starts fresh")
+
+    def _save_checkpoint(self) -> None:
+        if not self.cfg.checkpoint_dir:
+            return
+        with self.state_lock:
+            payload = {"format": 1, "run_id": self.cfg.run_id, "fingerprint": self.cfg.fingerprint(),
+                       "outer_step": self.outer_step, "anchor": self.anchor.clone(),
+                       "momentum": self.momentum.clone()}
+        payload.update(inner_step=self.inner_step, tokens=self.tokens, local=flat_params(self.model),
+                       inner_opt=self.opt.state_dict(), peer=self.peer_id)
+        try:
+            checkpoint.save_checkpoint(self.cfg.checkpoint_dir, payload, outer_step=self.outer_step)
+        except OSError as e:  # disk full, dir removed...: keep training, the previous checkpoint stays
+            self.metrics.log("checkpoint_failed", reason=str(e), outer_step=self.outer_step)
+            self._progress(f"p2pdiloco: checkpoint write failed, previous one kept: {e}")
+
     def _join(self) -> None:
-        """Load the swarm's outer state before training; the first peer starts the swarm."""
+        """Load the swarm's outer state before training; the first peer starts the swarm.
+        A peer resuming from a checkpoint takes the swarm's state only if it is further ahead."""
         if self.cfg.initial_peers:
             self._progress("p2pdiloco: downloading the swarm's state ...")
-            loaded = state.download_state(self.averager, self.cfg, self.numel, timeout=self.cfg.state_timeout,
+            timeout = self.cfg.state_timeout if self.resume is None else min(self.cfg.state_timeout, 10.0)
+            loaded = state.download_state(self.averager, self.cfg, self.numel, timeout=timeout,
                                           progress=self._progress, stop_event=self.stop_event)
+            if loaded is not None and self.resume is not None and loaded.outer_step <= self.outer_step:
+                self._progress(f"p2pdiloco: our checkpoint (outer step {self.outer_step}) is as recent as the "
+                               f"swarm's ({loaded.outer_step}); keeping it")
+                loaded = None
             if loaded is not None:
                 self._install(loaded, keep_local=False)
                 self.metrics.log("join", loaded_outer_step=loaded.outer_step, download_s=loaded.download_s)
                 self._progress(f"p2pdiloco: loaded outer step {loaded.outer_step} "
                                f"({self.numel * 8 / 1e6:.1f} MB in {loaded.download_s:.2f}s)")
-            else:
+            elif self.resume is None:
                 self._progress("p2pdiloco: no peer shares state; starting from the run's initial weights")
         if not self.cfg.client_mode:
             self.averager.state_sharing_priority = float(self.outer_step)
@@ -148,7 +217,6 @@ class Peer:
     def _train(self) -> None:
         cfg = self.cfg
         tokens_per_step = cfg.batch_size * cfg.block_size
-        self.tokens = 0
         self.tokens_since_anchor = 0  # tokens behind the current pseudo-gradient
         self.steps_since_round = 0
         self.swarm_outer_step = self.outer_step
@@ -204,6 +272,7 @@ class Peer:
             self._finish_round(pending)
         self.metrics.log("final", inner_step=self.inner_step, outer_step=self.outer_step,
                          eval_loss=self._evaluate())
+        self._save_checkpoint()
 
     def _should_stop(self, t_start: float) -> bool:
         cfg = self.cfg
@@ -248,16 +317,23 @@ class Peer:
         with self.state_lock:
             delta = diloco.pseudo_grad(self.anchor, snapshot)
             digest = diloco.anchor_digest(self.anchor, self.digest_idx)
+        if TEST_CORRUPT:
+            delta = corrupt_for_test(delta, TEST_CORRUPT)
         weight = contribution_weight(self.tokens_since_anchor, age)
         gather = {"peer": self.peer_id, "outer_step": self.outer_step, "tokens": self.tokens_since_anchor,
                   "digest": digest}
         self.steps_since_round = 0
-        future = self.rounds.start(delta, weight=weight, gather=gather)
+        outer_step = self.outer_step
+        future = self.rounds.start(delta, weight=weight, gather=gather, on_allreduce=lambda: self.metrics.log(
+            "allreduce_started", outer_step=outer_step))
         return future, snapshot, self.tokens_since_anchor, weight, age
 
     def _finish_round(self, pending) -> None:
         future, snapshot, tokens, weight, age = pending
         outcome: RoundOutcome = future.result()
+        if outcome.report is not None:
+            for peer, why in outcome.report.rejected.items():
+                self.metrics.log("bad_contribution", sender=peer, reason=why, outer_step=self.outer_step)
         if not outcome.ok:
             self.metrics.log("round_failed", reason=outcome.reason, outer_step=self.outer_step,
                              round_s=outcome.round_s)
@@ -286,10 +362,12 @@ class Peer:
         if not self.cfg.client_mode:
             self.averager.state_sharing_priority = float(self.outer_step)
         report = outcome.report
-        self.metrics.log("outer", outer_step=self.outer_step, group_size=len(members), weight=weight,
+        self.metrics.log("outer", outer_step=self.outer_step, group_size=len(members), weight=weight, tokens=tokens,
                          staleness=age, round_s=outcome.round_s, bytes_sent=report.bytes_sent,
                          bytes_recv=report.bytes_recv, eval_loss=self._evaluate(), anchor_spread=spread,
                          diverged_members=diverged)
+        if self.outer_step % self.cfg.checkpoint_every == 0:
+            self._save_checkpoint()
 
     def _resync(self, reason: str, *, keep_local: bool, min_outer_step: int = 0) -> None:
         self._progress(f"p2pdiloco: resyncing state ({reason}) ...")
