@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hmac
 import logging
 import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 import hivemind
 import torch
@@ -39,8 +40,12 @@ from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import Float16Compression, NoCompression
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.timed_storage import get_dht_time
+
+from p2pdiloco.secret import peer_token
 
 logger = logging.getLogger(__name__)
 
@@ -218,6 +223,7 @@ class DilocoAverager(hivemind.DecentralizedAverager):
         self._state_fn = state_fn
         self._reports: dict[bytes, RoundReport] = {}
         self._max_norm_ratio = cfg.max_norm_ratio
+        self._secret = cfg.run_secret
         compression = Float16Compression() if cfg.compression == "fp16" else NoCompression()
         # hivemind hands whole parts to reducers: small parts spread a small model over the group
         vector_bytes = sum(t.numel() for t in averaged_tensors) * (2 if cfg.compression == "fp16" else 4)
@@ -235,6 +241,38 @@ class DilocoAverager(hivemind.DecentralizedAverager):
     def get_current_state(self):
         metadata, tensors = self._state_fn()
         return metadata, tensors, None
+
+    # --- with a run secret: only peers that know it may join our groups or download our state ---
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if self._secret and not self._knows_secret(request.gather, str(context.remote_id)):
+            logger.warning(f"refused a join request from {context.remote_id}: no valid run-secret token")
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if self._secret:
+            found = await self.dht.get(f"{self.prefix}_members", latest=True, return_future=True)
+            members = found.value if found is not None and isinstance(found.value, dict) else {}
+            if str(context.remote_id) not in {str(k) for k in members}:
+                logger.warning(f"refused a state download by {context.remote_id}: not a member of this run")
+                return
+        async for message in super().rpc_download_state(request, context):
+            yield message
+
+    def _knows_secret(self, gather_bytes: bytes, peer_id: str) -> bool:
+        try:
+            user_data = self.serializer.loads(self.serializer.loads(gather_bytes)[2])
+            token = user_data.get("token", "")
+        except Exception:  # malformed gather from a stranger: refuse
+            return False
+        return isinstance(token, str) and hmac.compare_digest(token, peer_token(self._secret, peer_id))
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
@@ -294,6 +332,8 @@ class RoundRunner:
         with self.averager.get_tensors() as (buffer,):
             buffer.copy_(pseudo_grad)
         gather = {**gather, "norm": float(pseudo_grad.norm()), "weight": weight}
+        if self.cfg.run_secret:
+            gather["token"] = peer_token(self.cfg.run_secret, self.peer_id)
         try:
             control = self.averager.step(
                 gather=gather, weight=weight, allow_retries=False, wait=False,

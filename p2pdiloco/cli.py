@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_config(args: argparse.Namespace) -> Config:
     overrides = {k: v for k, v in vars(args).items() if k in {f.name for f in dataclasses.fields(Config)}}
+    if "run_secret" not in overrides and os.environ.get("P2PDILOCO_RUN_SECRET"):
+        overrides["run_secret"] = os.environ["P2PDILOCO_RUN_SECRET"]
     return Config.from_sources(args.config, overrides)
 
 

@@ -43,6 +43,8 @@ MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
 class Config:
     # --- identity of the run -------------------------------------------------------------
     run_id: str = _f("p2pdiloco", "Name of the training run; peers of different runs never average together.")
+    run_secret: str = _f("", "Shared secret that keeps strangers out of the run (or env P2PDILOCO_RUN_SECRET); "
+                             "never logged.")
     seed: int = _f(0, "Seed for the model init and this peer's data order (mixed with its peer id).")
 
     # --- model (a small GPT over bytes) --------------------------------------------------
@@ -177,7 +179,14 @@ class Config:
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The resolved config, as written next to the logs: the run secret is redacted."""
+        d = dataclasses.asdict(self)
+        if d["run_secret"]:
+            d["run_secret"] = "<redacted>"
+        return d
+
+    def __repr__(self) -> str:  # never show the secret in a traceback or a log line
+        return f"Config({', '.join(f'{k}={v!r}' for k, v in self.to_dict().items())})"
 
     def fingerprint(self) -> str:
         """Hash of what peers must share to average together: run id and model shape."""
@@ -186,6 +195,10 @@ class Config:
 
     @property
     def dht_prefix(self) -> str:
+        if self.run_secret:
+            from p2pdiloco.secret import secured_prefix
+
+            return secured_prefix(self.run_secret, self.run_id, self.fingerprint())
         return f"p2pdiloco_{self.run_id}_{self.fingerprint()}"
 
 

@@ -33,6 +33,7 @@ class PeerProcess:
     maddrs_file: Path
     stderr_path: Path
     args: list = field(default_factory=list)
+    reaped: bool = False  # its process group is gone: never signal that group number again
 
     @property
     def pgid(self) -> int:
@@ -87,7 +88,10 @@ class LocalSwarm:
         raise TimeoutError(f"peer {name} wrote no multiaddr within {timeout}s")
 
     def start(self, name: str, *args: str, join: Optional[str | Sequence[str]] = None) -> PeerProcess:
-        """Start `p2pdiloco join` as peer `name`; join = name(s) of live peers to bootstrap from."""
+        """Start `p2pdiloco join` as peer `name` (again, after a crash: same logs); join = name(s) of
+        live peers to bootstrap from."""
+        if name in self.peers:
+            self.reap(self.peers[name])
         log_dir = self.workdir / name
         maddrs_file = self.workdir / f"{name}.maddrs"
         maddrs_file.unlink(missing_ok=True)
@@ -130,6 +134,8 @@ class LocalSwarm:
     def signal(self, name: str, sig: int, whole_group: bool = True) -> None:
         """Send a signal to a peer: the whole process group (a crashed machine) or the trainer only."""
         peer = self.peers[name]
+        if peer.reaped:
+            return
         try:
             if whole_group:
                 os.killpg(peer.pgid, sig)
@@ -139,7 +145,9 @@ class LocalSwarm:
             pass
 
     def wait_exit(self, name: str, timeout: float) -> int:
-        return self.peers[name].proc.wait(timeout=timeout)
+        code = self.peers[name].proc.wait(timeout=timeout)
+        self.reap(self.peers[name])
+        return code
 
     def stop_all(self, timeout: float = 15.0) -> dict[str, Optional[int]]:
         """SIGTERM every peer, wait, then SIGKILL whatever is left of their process groups."""
@@ -163,6 +171,9 @@ class LocalSwarm:
 
     @staticmethod
     def reap(peer: PeerProcess) -> None:
+        """SIGKILL what is left of a peer's process group, once."""
+        if peer.reaped:
+            return
         for pid in group_members(peer.pgid):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -171,3 +182,4 @@ class LocalSwarm:
         if peer.proc.poll() is None:
             peer.proc.kill()
             peer.proc.wait(timeout=10)
+        peer.reaped = True

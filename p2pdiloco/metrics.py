@@ -9,6 +9,7 @@ Events (the contract documented in the README):
     resync       a state reload after divergence or staleness: reason, loaded_outer_step
     allreduce_started  the group formed and the all-reduce began: outer_step
     bad_contribution   our reducer excluded or clipped a sender's parts: sender, reason
+    resume       restarted from a checkpoint: outer_step, inner_step
     checkpoint_failed  a checkpoint write failed (the previous one is kept): reason
     final        at a clean stop: inner_step, outer_step, eval_loss
 """

@@ -114,6 +114,7 @@ class Peer:
             swarm.write_maddrs(self.dht, cfg.maddrs_file)
         self._progress(f"p2pdiloco: peer {self.peer_id} up at {' '.join(swarm.visible_maddrs(self.dht))}")
         swarm.check_run_config(self.dht, cfg)
+        self._announced = time.monotonic()
         # each peer reads the corpus in its own order
         self.gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + zlib.crc32(self.peer_id.encode()))
         self.averager = DilocoAverager([torch.zeros(self.numel)], self.dht, cfg=cfg, state_fn=self.shared_state)
@@ -169,6 +170,8 @@ class Peer:
     def _join(self) -> None:
         """Load the swarm's outer state before training; the first peer starts the swarm.
         A peer resuming from a checkpoint takes the swarm's state only if it is further ahead."""
+        if self.resume is not None:
+            self.metrics.log("resume", outer_step=self.outer_step, inner_step=self.inner_step)
         if self.cfg.initial_peers:
             self._progress("p2pdiloco: downloading the swarm's state ...")
             timeout = self.cfg.state_timeout if self.resume is None else min(self.cfg.state_timeout, 10.0)
@@ -227,7 +230,13 @@ class Peer:
         self.last_loss = math.nan
         self.model.train()
 
+        last_iteration = time.monotonic()
         while not self._should_stop(t_start):
+            # a gap longer than a round could take: we were frozen (SIGSTOP, suspend, swap); the
+            # swarm moved on, so look at where it is before contributing anything
+            if time.monotonic() - last_iteration > cfg.allreduce_timeout:
+                self._check_swarm_outer_step()
+            last_iteration = time.monotonic()
             # --- inner step ------------------------------------------------------------
             position = self.outer_step * cfg.inner_steps + self.steps_since_round
             lr = diloco.inner_lr_at(position, inner_lr=cfg.inner_lr, warmup_steps=cfg.warmup_steps,
@@ -285,10 +294,22 @@ class Peer:
                          tokens=self.tokens, tokens_per_s=tokens_per_s)
         self.metrics.status(f"[{self.peer_id[-6:]}] step {self.inner_step:6d}  outer {self.outer_step:4d}  "
                             f"loss {self.last_loss:6.3f}  {tokens_per_s:8.0f} tok/s")
+        if time.monotonic() - self._announced > 60:
+            swarm.announce_config(self.dht, self.cfg)
+            self._announced = time.monotonic()
         swarm.publish_progress(self.dht, self.cfg, {
             "outer_step": self.outer_step, "inner_step": self.inner_step, "loss": self.last_loss,
             "tokens_per_s": tokens_per_s, "device": str(self.device), "time": time.time()})
         self._refresh_swarm_outer_step()
+
+    def _check_swarm_outer_step(self) -> None:
+        """Blocking read of the swarm's outer step (after a freeze, before the next contribution)."""
+        try:
+            records = swarm.read_progress(self.dht, self.cfg)
+        except Exception as e:  # the DHT may be slow right after a freeze; the digest check still guards
+            logger.warning(f"could not read the swarm's progress: {e!r}")
+            return
+        self.swarm_outer_step = max([self.outer_step, *(r.get("outer_step", 0) for r in records.values())])
 
     def _refresh_swarm_outer_step(self) -> None:
         """The highest outer step in the peers' progress records (read in the background)."""

@@ -19,6 +19,8 @@ from pathlib import Path
 import hivemind
 from hivemind.utils.timed_storage import get_dht_time
 
+from p2pdiloco.secret import SecretValidator, public_key, verifier
+
 logger = logging.getLogger(__name__)
 
 
@@ -50,8 +52,9 @@ def start_dht(cfg) -> hivemind.DHT:
     )
     if cfg.identity_path:
         Path(cfg.identity_path).parent.mkdir(parents=True, exist_ok=True)
+    validators = [SecretValidator(cfg.run_secret, cfg.run_id)] if cfg.run_secret else []
     try:
-        return hivemind.DHT(start=True, **kwargs)
+        return hivemind.DHT(start=True, record_validators=validators, **kwargs)
     except Exception as e:  # p2pd and the DHT raise assorted types for the same failure
         msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         if cfg.initial_peers:
@@ -78,7 +81,18 @@ def _run_key(cfg) -> str:
 
 
 def check_run_config(dht: hivemind.DHT, cfg) -> None:
-    """Refuse to join a run whose live peers train another model config; then announce ours."""
+    """Refuse to join a run whose live peers hold another secret or train another model config;
+    then announce ours (and, with a secret, this peer's member record)."""
+    found = dht.get(public_key(cfg.run_id), latest=True)
+    theirs = set()
+    if found is not None and isinstance(found.value, dict):
+        theirs = {v.value for v in found.value.values() if isinstance(v.value, str)}
+    if theirs and not cfg.run_secret:
+        raise SwarmError(f"run {cfg.run_id!r} is protected: pass its --run-secret (or P2PDILOCO_RUN_SECRET)")
+    if cfg.run_secret:
+        mine = verifier(cfg.run_secret, cfg.run_id)
+        if theirs and mine not in theirs:
+            raise SwarmError(f"wrong run secret for run {cfg.run_id!r}: its peers refuse this one")
     found = dht.get(_run_key(cfg), latest=True)
     if found is not None and isinstance(found.value, dict):
         theirs = {v.value for v in found.value.values() if isinstance(v.value, str)}
@@ -90,8 +104,19 @@ def check_run_config(dht: hivemind.DHT, cfg) -> None:
 
 
 def announce_config(dht: hivemind.DHT, cfg) -> None:
-    dht.store(_run_key(cfg), subkey=str(dht.peer_id), value=cfg.fingerprint(),
-              expiration_time=get_dht_time() + 120, return_future=True)
+    """Publish (for 120 s; republished with progress) what joiners check: our model fingerprint,
+    and with a secret the run's public verifier and our member record."""
+    expiration = get_dht_time() + 120
+    peer = str(dht.peer_id)
+    dht.store(_run_key(cfg), subkey=peer, value=cfg.fingerprint(), expiration_time=expiration, return_future=True)
+    if cfg.run_secret:
+        dht.store(public_key(cfg.run_id), subkey=peer, value=verifier(cfg.run_secret, cfg.run_id),
+                  expiration_time=expiration, return_future=True)
+        dht.store(member_key(cfg), subkey=peer, value=True, expiration_time=expiration)
+
+
+def member_key(cfg) -> str:
+    return f"{cfg.dht_prefix}_members"
 
 
 def publish_progress(dht: hivemind.DHT, cfg, record: dict) -> None:

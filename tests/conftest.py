@@ -14,24 +14,30 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "peers" / "tiny-cpu.toml")
 
 
-def _p2pd_pids() -> set[int]:
+def _orphan_p2pd_pids() -> set[int]:
+    """p2pd daemons whose owner (a DHT process) is gone: reparented to init."""
     pids = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if Path(f"/proc/{entry}/comm").read_text().strip() == "p2pd":
+                if Path(f"/proc/{entry}/comm").read_text().strip() != "p2pd":
+                    continue
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                state, ppid = stat[stat.rfind(")") + 2:].split()[:2]
+                if state != "Z" and int(ppid) == 1:
                     pids.add(int(entry))
-            except OSError:
+            except (OSError, ValueError):
                 continue
     return pids
 
 
 @pytest.fixture(scope="session", autouse=True)
 def reap_p2pd():
-    """Kill p2pd daemons started during the session that are still alive at its end."""
-    before = _p2pd_pids()
+    """Kill p2pd daemons orphaned during the session (other swarms on the machine are left alone;
+    each test's LocalSwarm reaps its own peers' process groups)."""
+    before = _orphan_p2pd_pids()
     yield
-    for pid in _p2pd_pids() - before:
+    for pid in _orphan_p2pd_pids() - before:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

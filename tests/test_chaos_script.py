@@ -1,0 +1,45 @@
+"""scripts/chaos.py end to end, in a tiny setting: 3 real peers for 50 s, a fault every ~15 s."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, make_corpus
+
+pytestmark = pytest.mark.chaos
+
+
+@pytest.mark.timeout(300)
+def test_chaos_script_small_run(tmp_path):
+    corpus = make_corpus(tmp_path / "corpus.txt")
+    workdir = tmp_path / "chaos"
+    cmd = [sys.executable, str(ROOT / "scripts" / "chaos.py"), "--peers", "3", "--duration", "50",
+           "--fault-every", "15", "--seed", "3", "--workdir", str(workdir), "--data", str(corpus),
+           "--", "--inner-steps", "30"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # the script stops its peers in `finally`
+        try:
+            out, _ = proc.communicate(timeout=45)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        pytest.fail(f"chaos.py did not finish in time:\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-4000:]
+
+    report = json.loads((workdir / "chaos.json").read_text())
+    for key in ("faults", "rounds_applied", "rounds_failed", "longest_stall_s", "goodput"):
+        assert key in report, (key, sorted(report))
+    assert report["faults"]["total"] >= 1, report["fault_log"]
+    assert sum(report["faults"][k] for k in ("kill", "kill_restart", "join")) == report["faults"]["total"]
+    assert report["rounds_applied"] >= 1, out[-4000:]
+    assert 0 < report["goodput"] <= 1, report["goodput"]
+    assert report["ok"] is True
+    assert "| longest stall (s) |" in out
