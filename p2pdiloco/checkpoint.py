@@ -56,6 +56,7 @@ def ensure_writable(ckpt_dir: str | Path) -> None:
 def save_checkpoint(ckpt_dir: str | Path, payload: dict, *, outer_step: int, keep: int = 2) -> Path:
     """Atomically write ckpt-<outer_step>.pt; on failure (disk full...) the older files stay."""
     d = Path(ckpt_dir)
+    d.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     torch.save(payload, buf)
     body = buf.getvalue()

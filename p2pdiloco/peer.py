@@ -145,7 +145,6 @@ class Peer:
         self.momentum = payload["momentum"].float().clone()
         self.outer_step = int(payload["outer_step"])
         self.inner_step = int(payload.get("inner_step", 0))
-        self.tokens = int(payload.get("tokens", 0))
         load_flat_(self.model, payload["local"].float())
         try:
             self.opt.load_state_dict(payload["inner_opt"])
@@ -159,7 +158,7 @@ class Peer:
             payload = {"format": 1, "run_id": self.cfg.run_id, "fingerprint": self.cfg.fingerprint(),
                        "outer_step": self.outer_step, "anchor": self.anchor.clone(),
                        "momentum": self.momentum.clone()}
-        payload.update(inner_step=self.inner_step, tokens=self.tokens, local=flat_params(self.model),
+        payload.update(inner_step=self.inner_step, local=flat_params(self.model),
                        inner_opt=self.opt.state_dict(), peer=self.peer_id)
         try:
             checkpoint.save_checkpoint(self.cfg.checkpoint_dir, payload, outer_step=self.outer_step)
@@ -309,16 +308,16 @@ class Peer:
         except Exception as e:  # the DHT may be slow right after a freeze; the digest check still guards
             logger.warning(f"could not read the swarm's progress: {e!r}")
             return
+        self._note_progress(records)
+
+    def _note_progress(self, records: dict) -> None:
         self.swarm_outer_step = max([self.outer_step, *(r.get("outer_step", 0) for r in records.values())])
 
     def _refresh_swarm_outer_step(self) -> None:
         """The highest outer step in the peers' progress records (read in the background)."""
         if self._progress_reading is not None and self._progress_reading.done():
             try:
-                found = self._progress_reading.result()
-                if found is not None and isinstance(found.value, dict):
-                    steps = [v.value.get("outer_step", 0) for v in found.value.values() if isinstance(v.value, dict)]
-                    self.swarm_outer_step = max([self.outer_step, *steps])
+                self._note_progress(swarm.parse_progress(self._progress_reading.result()))
             except Exception as e:  # a failed read only delays the staleness check
                 logger.debug(f"progress read failed: {e!r}")
             self._progress_reading = None

@@ -127,7 +127,11 @@ def publish_progress(dht: hivemind.DHT, cfg, record: dict) -> None:
 
 
 def read_progress(dht: hivemind.DHT, cfg) -> dict[str, dict]:
-    found = dht.get(f"{cfg.dht_prefix}_progress", latest=True)
+    return parse_progress(dht.get(f"{cfg.dht_prefix}_progress", latest=True))
+
+
+def parse_progress(found) -> dict[str, dict]:
+    """peer id -> progress record, from the result of a DHT get of the progress key."""
     if found is None or not isinstance(found.value, dict):
         return {}
     return {str(k): v.value for k, v in found.value.items() if isinstance(v.value, dict)}
