@@ -76,7 +76,7 @@ class ContributionPolicy:
     `max_norm_ratio` times the median weight. Every member derives the same policy, so every
     reducer treats a sender the same way and the round stays consistent."""
 
-    scales: list          # per sender: 1.0 = used, 0.0 = excluded
+    excluded: list        # per sender: True if none of its parts are used
     norm_caps: list       # per sender: the largest part norm consistent with its announcement
     weight_caps: list     # per sender: the largest weight it may claim
     notes: dict           # sender index -> reason
@@ -87,26 +87,21 @@ class ContributionPolicy:
         weights = [g.get("weight") if isinstance(g, dict) else None for g in gathered]
         median = _lower_median([n for n in norms if isinstance(n, (int, float)) and math.isfinite(n) and n >= 0])
         median_w = _lower_median([w for w in weights if isinstance(w, (int, float)) and math.isfinite(w) and w > 0])
-        scales, caps, notes = [], [], {}
+        notes = {}
         for i, n in enumerate(norms):
             if not isinstance(n, (int, float)) or not math.isfinite(n) or n < 0:
-                scales.append(0.0)
-                caps.append(0.0)
                 notes[i] = f"announced pseudo-gradient norm {n!r}"
             elif median > 0 and n > max_norm_ratio * median:
                 # far outside the group: excluded. Scaling it down keeps a wrong direction (fp16
                 # transport even clamps such values), which measurably hurt the others' loss.
-                scales.append(0.0)
-                caps.append(0.0)
                 notes[i] = f"norm {n:.3g} > {max_norm_ratio:g}x the group median {median:.3g}: excluded"
-            else:
-                scales.append(1.0)
-                caps.append(n * 1.01 + 1e-6)
-        return cls(scales, caps, [max_norm_ratio * (median_w or 1.0)] * len(norms), notes)
+        excluded = [i in notes for i in range(len(norms))]
+        caps = [0.0 if out else n * 1.01 + 1e-6 for out, n in zip(excluded, norms)]
+        return cls(excluded, caps, [max_norm_ratio * (median_w or 1.0)] * len(norms), notes)
 
     @property
     def valid(self) -> int:
-        return sum(scale > 0 for scale in self.scales)
+        return self.excluded.count(False)
 
 
 def _lower_median(values: list) -> float:
@@ -162,7 +157,7 @@ class CountingAllReduceRunner(AllReduceRunner):
             problem = f"part of shape {tuple(tensor_part.shape)} {tensor_part.dtype}, expected {tuple(expected)}"
         elif not torch.isfinite(tensor_part).all():
             problem = "non-finite values"
-        elif policy.scales[sender_index] == 0.0:
+        elif policy.excluded[sender_index]:
             problem = policy.notes.get(sender_index, "excluded")
         elif float(tensor_part.float().norm()) > policy.norm_caps[sender_index]:
             problem = "part larger than its announced norm"
@@ -367,7 +362,7 @@ class RoundRunner:
             finite = bool(torch.isfinite(average).all())
             # hivemind adds the group's delta to our own values: if the reducers excluded ours, our
             # copy of the average is off, but the round is fine for the others
-            own_bad = mine < 0 or policy.scales[mine] == 0.0
+            own_bad = mine < 0 or policy.excluded[mine]
             verdict = ABSTAIN if (report.complete and own_bad) else (report.complete and finite)
             all_ok, why = self._agree(report.group_id, list(members), verdict)
             if not report.complete:

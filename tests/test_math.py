@@ -365,3 +365,31 @@ def test_validate_state_rejects_bad_outer_step(outer_step):
     metadata, tensors = _good(cfg)
     metadata["outer_step"] = outer_step
     _rejects(metadata, tensors, cfg)
+
+
+# --- contribution policy (what every reducer excludes) ----------------------------------------
+
+
+def test_contribution_policy_excludes_non_finite_and_outliers():
+    from p2pdiloco.averaging import ContributionPolicy
+
+    gathered = [{"norm": 3.0, "weight": 100.0}, {"norm": 4.0, "weight": 100.0}, {"norm": float("nan"), "weight": 1.0},
+                {"norm": 4e6, "weight": 1e9}, {"norm": 5.0, "weight": 100.0}]
+    policy = ContributionPolicy.from_gathered(gathered, max_norm_ratio=10.0)
+    assert policy.excluded == [False, False, True, True, False]
+    assert policy.valid == 3
+    assert set(policy.notes) == {2, 3} and "excluded" in policy.notes[3]
+    assert policy.norm_caps[0] == pytest.approx(3.0 * 1.01 + 1e-6) and policy.norm_caps[3] == 0.0
+    # weights are capped at max_norm_ratio x the lower median weight (100)
+    assert policy.weight_caps == [1000.0] * 5
+
+
+def test_contribution_policy_two_members_uses_the_lower_median():
+    from p2pdiloco.averaging import ContributionPolicy
+
+    policy = ContributionPolicy.from_gathered([{"norm": 2.0}, {"norm": 50.0}], max_norm_ratio=10.0)
+    assert policy.excluded == [False, True]
+    policy = ContributionPolicy.from_gathered([{"norm": 2.0}, {"norm": 19.0}], max_norm_ratio=10.0)
+    assert policy.excluded == [False, False]
+    # a malformed announcement (not a dict, no norm) is excluded, not a crash
+    assert ContributionPolicy.from_gathered([None, {"norm": 1.0}], max_norm_ratio=10.0).excluded == [True, False]
