@@ -191,16 +191,18 @@ class Peer:
             self.averager.state_sharing_priority = float(self.outer_step)
             self.averager.allow_state_sharing = True
 
-    def _install(self, loaded: state.OuterState, *, keep_local: bool) -> None:
-        """Adopt a downloaded anchor; keep_local keeps the progress made since the last snapshot."""
+    def _install(self, loaded: state.OuterState, *, keep_local: bool, tokens_kept: int = 0) -> None:
+        """Adopt a downloaded anchor; keep_local keeps the progress made since the last snapshot
+        (tokens_kept tokens) and contributes it at once, to land in the same matchmaking window
+        as the group it fell behind: waiting inner_steps would miss it and diverge again."""
         with self.state_lock:
             old_anchor = self.anchor
             self.anchor, self.momentum, self.outer_step = loaded.anchor, loaded.momentum, loaded.outer_step
         local = flat_params(self.model)
         base = self._snapshot if keep_local and self._snapshot is not None else old_anchor
         load_flat_(self.model, diloco.merge_local(self.anchor, local, base) if keep_local else self.anchor)
-        self.tokens_since_anchor = 0
-        self.steps_since_round = 0
+        self.tokens_since_anchor = tokens_kept if keep_local else 0
+        self.steps_since_round = self.cfg.inner_steps if keep_local else 0
         if not self.cfg.client_mode:
             self.averager.state_sharing_priority = float(self.outer_step)
 
@@ -367,7 +369,7 @@ class Peer:
             self._snapshot = snapshot
             # the reference members apply this round: wait until one of them offers the result
             self._resync(f"anchor differs from the group's (spread {spread:.2e})", keep_local=True,
-                         min_outer_step=reference["outer_step"] + 1)
+                         min_outer_step=reference["outer_step"] + 1, tokens_kept=self.tokens_since_anchor - tokens)
             return
         diverged = sum(diloco.digest_spread(m["digest"], reference["digest"]) > self.cfg.anchor_tolerance
                        for m in members)
@@ -389,14 +391,14 @@ class Peer:
         if self.outer_step % self.cfg.checkpoint_every == 0:
             self._save_checkpoint()
 
-    def _resync(self, reason: str, *, keep_local: bool, min_outer_step: int = 0) -> None:
+    def _resync(self, reason: str, *, keep_local: bool, min_outer_step: int = 0, tokens_kept: int = 0) -> None:
         self._progress(f"p2pdiloco: resyncing state ({reason}) ...")
         loaded = state.download_state(self.averager, self.cfg, self.numel, timeout=self.cfg.state_timeout,
                                       min_outer_step=min_outer_step, stop_event=self.stop_event)
         if loaded is None:
             self.metrics.log("round_failed", reason=f"resync failed: {reason}", outer_step=self.outer_step)
             return
-        self._install(loaded, keep_local=keep_local)
+        self._install(loaded, keep_local=keep_local, tokens_kept=tokens_kept)
         self.metrics.log("resync", reason=reason, loaded_outer_step=loaded.outer_step, download_s=loaded.download_s)
 
     @torch.no_grad()
