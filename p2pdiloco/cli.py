@@ -63,9 +63,10 @@ def resolve_config(args: argparse.Namespace) -> Config:
 
 
 def _setup_logging(level: str) -> None:
-    # hivemind reads its level when first imported, and its child processes inherit it
-    os.environ.setdefault("HIVEMIND_LOGLEVEL", level.upper())
+    # hivemind logs through its own handler on the "hivemind" logger; its child processes are
+    # forked from this one and inherit the level
     logging.basicConfig(level=getattr(logging, level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("hivemind").setLevel(getattr(logging, level.upper()))
     # a round with nobody else in the window is normal here; we report it as a round_failed event
     logging.getLogger("hivemind.averaging.averager").addFilter(
         lambda record: "could not find a group" not in record.getMessage())
@@ -79,9 +80,13 @@ def cmd_join(args: argparse.Namespace) -> int:
 
     cfg = resolve_config(args)
     _setup_logging(args.log_level)
-    if cfg.log_dir:
-        Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.log_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    try:
+        if cfg.log_dir:
+            Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
+            (Path(cfg.log_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    except OSError as e:
+        print(f"p2pdiloco: error: log dir {cfg.log_dir} is not writable: {e.strerror or e}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         Peer(cfg, quiet=args.quiet).run()
     except (DataError, SwarmError, CheckpointError) as e:

@@ -12,6 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "peers" / "tiny-cpu.toml")
+# for hivemind DHTs a test starts itself: loopback only, and no UPnP/NAT-PMP or AutoNAT traffic
+LOOPBACK_DHT = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, auto_nat=False)
 
 
 def _orphan_p2pd_pids() -> set[int]:

@@ -10,6 +10,7 @@ import torch
 
 from p2pdiloco.averaging import DilocoAverager, RoundRunner
 from p2pdiloco.config import Config
+from tests.conftest import LOOPBACK_DHT
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -23,10 +24,10 @@ def peers(count: int, **overrides):
                  allreduce_timeout=10.0, run_id="avgtest", **overrides)
     dhts, averagers = [], []
     try:
-        dhts.append(hivemind.DHT(start=True, host_maddrs=cfg.host_maddrs))
+        dhts.append(hivemind.DHT(start=True, **LOOPBACK_DHT))
         first = [str(a) for a in dhts[0].get_visible_maddrs()]
         for _ in range(count - 1):
-            dhts.append(hivemind.DHT(start=True, host_maddrs=cfg.host_maddrs, initial_peers=first))
+            dhts.append(hivemind.DHT(start=True, initial_peers=first, **LOOPBACK_DHT))
         for dht in dhts:
             averagers.append(DilocoAverager([torch.zeros(N)], dht, cfg=cfg, state_fn=lambda: ({}, [])))
         yield cfg, [RoundRunner(a, d, cfg) for a, d in zip(averagers, dhts)]

@@ -10,7 +10,7 @@ import hivemind
 import pytest
 
 from p2pdiloco.localswarm import LocalSwarm
-from tests.conftest import TINY
+from tests.conftest import LOOPBACK_DHT, TINY
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -82,7 +82,7 @@ def test_help_lists_every_config_key():
 
 def test_stock_hivemind_dht_as_initial_peer(tmp_path, corpus):
     """Two peers that only know a plain hivemind DHT node find each other and average."""
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht = hivemind.DHT(start=True, **LOOPBACK_DHT)
     try:
         stock = [str(a) for a in dht.get_visible_maddrs()][0]
         args = ["--data", str(corpus), "--inner-steps", "30", "--state-timeout", "3", "--initial-peers", stock]

@@ -14,7 +14,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from p2pdiloco.averaging import DilocoAverager
 from p2pdiloco.config import Config
 from p2pdiloco.localswarm import LocalSwarm
-from tests.conftest import TINY
+from tests.conftest import LOOPBACK_DHT, TINY
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -56,7 +56,7 @@ def test_run_secret_keeps_strangers_out(tmp_path, corpus):
         # the libp2p protocol names a peer advertises) calls the averaging RPCs of peer a directly
         prefix = Config.from_sources(TINY, {"run_secret": SECRET}).dht_prefix
         a_id = swarm.events("a", "inner")[0]["peer"]
-        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[swarm.maddr("a")])
+        dht = hivemind.DHT(start=True, initial_peers=[swarm.maddr("a")], **LOOPBACK_DHT)
         try:
             # the run's DHT records are MACed: a reader without the key gets nothing usable
             future = dht.get(f"{prefix}_progress", latest=True, return_future=True)
