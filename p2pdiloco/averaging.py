@@ -253,7 +253,11 @@ class DilocoAverager(hivemind.DecentralizedAverager):
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
         if self._secret:
-            found = await self.dht.get(f"{self.prefix}_members", latest=True, return_future=True)
+            try:  # bounded: hivemind's DHT.get never returns on a record it cannot decode
+                found = await asyncio.wait_for(
+                    self.dht.get(f"{self.prefix}_members", latest=True, return_future=True), timeout=10)
+            except asyncio.TimeoutError:
+                found = None
             members = found.value if found is not None and isinstance(found.value, dict) else {}
             if str(context.remote_id) not in {str(k) for k in members}:
                 logger.warning(f"refused a state download by {context.remote_id}: not a member of this run")
