@@ -101,12 +101,16 @@ def cmd_join(args: argparse.Namespace) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "join":
-            return cmd_join(args)
+        code = cmd_join(args) if args.command == "join" else EXIT_USAGE
     except ConfigError as e:
         print(f"p2pdiloco: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    return EXIT_USAGE
+    # Everything we started is stopped by now (Peer.close in its finally). Skip the interpreter's
+    # teardown: with hivemind's and torch's threads still parked, it sometimes aborts the process
+    # ("terminate called without an active exception", exit -6) after a clean stop.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
