@@ -36,15 +36,16 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 import hivemind
 import torch
-from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode, BannedException
 from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.compression import Float16Compression, NoCompression
+from hivemind.compression import NoCompression
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, attach_event_on_finished, azip
 from hivemind.utils.timed_storage import get_dht_time
 
+from p2pdiloco.compression import BlockwiseQuantization, bytes_per_value, make_codec
 from p2pdiloco.secret import peer_token
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,8 @@ class ContributionPolicy:
     notes: dict           # sender index -> reason
 
     @classmethod
-    def from_gathered(cls, gathered: list, *, max_norm_ratio: float) -> "ContributionPolicy":
+    def from_gathered(cls, gathered: list, *, max_norm_ratio: float, norm_slack: float = 1.01
+                      ) -> "ContributionPolicy":
         norms = [g.get("norm") if isinstance(g, dict) else None for g in gathered]
         weights = [g.get("weight") if isinstance(g, dict) else None for g in gathered]
         median = _lower_median([n for n in norms if isinstance(n, (int, float)) and math.isfinite(n) and n >= 0])
@@ -96,7 +98,8 @@ class ContributionPolicy:
                 # transport even clamps such values), which measurably hurt the others' loss.
                 notes[i] = f"norm {n:.3g} > {max_norm_ratio:g}x the group median {median:.3g}: excluded"
         excluded = [i in notes for i in range(len(norms))]
-        caps = [0.0 if out else n * 1.01 + 1e-6 for out, n in zip(excluded, norms)]
+        # norm_slack: how much a lossy codec may grow a norm (the announced norm is before encoding)
+        caps = [0.0 if out else n * max(1.01, norm_slack) + 1e-6 for out, n in zip(excluded, norms)]
         return cls(excluded, caps, [max_norm_ratio * (median_w or 1.0)] * len(norms), notes)
 
     @property
@@ -132,14 +135,26 @@ class _CountingStub:
 
 class CountingAllReduceRunner(AllReduceRunner):
     """hivemind's butterfly all-reduce, counting the bytes of every message it sends and receives,
-    and checking every part our reducer accumulates against the group's ContributionPolicy."""
+    and checking every part our reducer accumulates against the group's ContributionPolicy.
 
-    def __init__(self, *args, policy: Optional[ContributionPolicy] = None, **kwargs):
+    With one of our low-bit codecs (`codec`), a reducer answers every sender with the average
+    part itself, encoded once, instead of hivemind's per-sender delta (average - that sender's
+    part): a lossy delta would leave each member with a differently rounded average, and the
+    anchors of a round's members would drift apart by the codec's error every round. The
+    runner's outputs are then averages (`absolute`), not deltas."""
+
+    def __init__(self, *args, policy: Optional[ContributionPolicy] = None,
+                 codec: Optional[BlockwiseQuantization] = None, **kwargs):
         self.bytes_sent = self.bytes_recv = 0
         self._serving = 0  # our reducer's result streams to groupmates still open
         self._served = asyncio.Event()
         self._served.set()
         super().__init__(*args, **kwargs)
+        self.codec = codec
+        self.absolute = codec is not None
+        self._replies: dict[int, asyncio.Future] = {}  # part index -> the encoded average, shared by all senders
+        if self.absolute:
+            self.tensor_part_container.return_deltas = False
         self.policy = policy
         self.rejected: dict[str, str] = {}
         if policy is not None:
@@ -166,6 +181,80 @@ class CountingAllReduceRunner(AllReduceRunner):
             return await self._accumulate(sender_index, part_index, torch.zeros(expected), weight=0.0)
         weight = min(float(weight), policy.weight_caps[sender_index])
         return await self._accumulate(sender_index, part_index, tensor_part, weight=weight)
+
+    # --- low-bit codecs: absolute replies, encoded once per part -------------------------------
+
+    def _encoded_average(self, part_index: int, averaged: torch.Tensor) -> asyncio.Future:
+        reply = self._replies.get(part_index)
+        if reply is None:
+            reply = asyncio.get_event_loop().run_in_executor(None, self.codec.compress, averaged)
+            self._replies[part_index] = reply
+        return reply
+
+    def _decode_part(self, sender_index: int, part_index: int, message) -> torch.Tensor:
+        """A sender's part; one that does not decode becomes NaN, which the policy check rejects."""
+        expected = self.tensor_part_reducer.part_shapes[part_index]
+        try:
+            return self.codec.extract(message).reshape(expected)
+        except (ValueError, RuntimeError) as e:
+            self.rejected.setdefault(str(self.sender_peer_ids[sender_index]), f"undecodable part: {e}")
+            return torch.full(expected, math.nan)
+
+    async def _accumulate_parts_streaming(self, stream, sender_index: int):
+        if not self.absolute:
+            async for msg in super()._accumulate_parts_streaming(stream, sender_index):
+                yield msg
+            return
+        part_index = 0
+        loop = asyncio.get_event_loop()
+        try:
+            async for msg in stream:
+                part = await loop.run_in_executor(None, self._decode_part, sender_index, part_index, msg.tensor_part)
+                try:
+                    averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part,
+                                                                              weight=msg.weight)
+                except BannedException:
+                    break
+                reply = await self._encoded_average(part_index, averaged)
+                part_index += 1
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=reply)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+    async def _communicate_with_peer(self, peer_id):
+        if not self.absolute:
+            return await super()._communicate_with_peer(peer_id)
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        container = self.tensor_part_container
+        if peer_id == self.peer_id:  # our own reducer: keep the same rounded average the others get
+            sender_index = self.sender_peer_ids.index(peer_id)
+            for part_index, part in enumerate(self.parts_for_local_averaging):
+                averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part,
+                                                                          weight=self.weight)
+                reply = await self._encoded_average(part_index, averaged)
+                container.register_processed_part(peer_index, part_index, self.codec.extract(reply))
+            return
+        try:
+            done_sending = asyncio.Event()
+            inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+            part_index = 0
+            loop = asyncio.get_event_loop()
+            async for msg in aiter_with_timeout(stream, self.reducer_timeout):
+                if msg.code != averaging_pb2.AVERAGED_PART:
+                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
+                averaged = await loop.run_in_executor(None, self.codec.extract, msg.tensor_part)
+                container.register_processed_part(peer_index, part_index, averaged)
+                part_index += 1
+            if part_index != container.num_parts_by_peer[peer_index]:
+                raise AllreduceException(f"{peer_id} sent {part_index} parts, expected "
+                                         f"{container.num_parts_by_peer[peer_index]}")
+        except BaseException:
+            container.register_failed_reducer(peer_index)  # counted in failed_size: the round is discarded
+            raise
 
     async def _count(self, stream, direction: str):
         async for msg in stream:
@@ -214,14 +303,16 @@ class DilocoAverager(hivemind.DecentralizedAverager):
     """A DecentralizedAverager whose step() also returns a RoundReport, and whose shared state
     (for joiners) comes from `state_fn` (called in a thread of the trainer's process)."""
 
-    def __init__(self, averaged_tensors, dht, *, cfg, state_fn: Callable[[], tuple], **kwargs):
+    def __init__(self, averaged_tensors, dht, *, cfg, state_fn: Callable[[], tuple], slots: int = 1, **kwargs):
         self._state_fn = state_fn
+        self._slots = slots  # > 1: each member's pseudo-gradient keeps its own slot (outer_apply = per_contribution)
         self._reports: dict[bytes, RoundReport] = {}
         self._max_norm_ratio = cfg.max_norm_ratio
         self._secret = cfg.run_secret
-        compression = Float16Compression() if cfg.compression == "fp16" else NoCompression()
+        compression = make_codec(cfg.compression)
+        self._codec = compression if isinstance(compression, BlockwiseQuantization) else None
         # hivemind hands whole parts to reducers: small parts spread a small model over the group
-        vector_bytes = sum(t.numel() for t in averaged_tensors) * (2 if cfg.compression == "fp16" else 4)
+        vector_bytes = int(sum(t.numel() for t in averaged_tensors) * bytes_per_value(cfg.compression))
         part_size_bytes = min(2**19, max(2**14, vector_bytes // 32))
         super().__init__(
             averaged_tensors, dht, prefix=cfg.dht_prefix, start=True,
@@ -283,19 +374,29 @@ class DilocoAverager(hivemind.DecentralizedAverager):
     async def _run_allreduce_inplace_(self, tensors, group_info: GroupInfo, group_id=None, **kwargs):
         # same as hivemind's, with our counting runner and a report kept for _aggregate_with_group
         group_id = group_info.group_id if group_id is None else group_id
+        if self._slots > 1:  # move our pseudo-gradient from slot 0 to our place in the group
+            (buffer,) = tensors
+            slot, n = group_info.peer_ids.index(self.peer_id), buffer.numel() // self._slots
+            if slot:
+                buffer[slot * n:(slot + 1) * n].copy_(buffer[:n])
+                buffer[:n].zero_()
         gathered = [self.serializer.loads(self.serializer.loads(raw)[2]) for raw in group_info.gathered]
         modes = kwargs.get("modes") or [AveragingMode.NODE] * len(gathered)
         senders = [g for g, mode in zip(gathered, modes) if mode != AveragingMode.AUX]
-        policy = ContributionPolicy.from_gathered(senders, max_norm_ratio=self._max_norm_ratio)
+        slack = self._codec.norm_slack if self._codec is not None else 1.01
+        policy = ContributionPolicy.from_gathered(senders, max_norm_ratio=self._max_norm_ratio, norm_slack=slack)
         runner = CountingAllReduceRunner(
             p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
-            ordered_peer_ids=group_info.peer_ids, policy=policy, **kwargs,
+            ordered_peer_ids=group_info.peer_ids, policy=policy, codec=self._codec, **kwargs,
         )
         self._running_groups[group_id].set_result(runner)
         try:
             if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
                 async for tensor, update in azip(as_aiter(*tensors), runner):
-                    tensor.add_(update, alpha=self._averaging_alpha)
+                    if runner.absolute:
+                        tensor.copy_(update)
+                    else:
+                        tensor.add_(update, alpha=self._averaging_alpha)
             else:
                 async for _ in runner:
                     raise ValueError("aux peers should not receive averaged tensors")
@@ -329,7 +430,8 @@ class RoundRunner:
     def _run(self, pseudo_grad: torch.Tensor, weight: float, gather: dict, on_allreduce) -> RoundOutcome:
         t0 = time.monotonic()
         with self.averager.get_tensors() as (buffer,):
-            buffer.copy_(pseudo_grad)
+            buffer.zero_()
+            buffer[:pseudo_grad.numel()].copy_(pseudo_grad)  # slot 0; the averager moves it (per_contribution)
         gather = {**gather, "norm": float(pseudo_grad.norm()), "weight": weight}
         if self.cfg.run_secret:
             gather["token"] = peer_token(self.cfg.run_secret, self.peer_id)

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from p2pdiloco.compression import CODECS
+
 
 class ConfigError(ValueError):
     """A user-facing configuration problem; the CLI prints it on one line and exits 2."""
@@ -85,10 +87,16 @@ class Config:
     allreduce_timeout: float = _f(15.0, "Seconds an all-reduce may take once the group is formed.")
     next_chunk_timeout: float = _f(5.0, "Seconds without a chunk from a groupmate before it is dropped.")
     verdict_timeout: float = _f(5.0, "Seconds to wait for every member's verdict that its round was complete.")
-    compression: str = _f("fp16", "Pseudo-gradient transport: fp16 or none (fp32).")
+    compression: str = _f("fp16", "Pseudo-gradient transport: none (fp32), fp16, int8 or int4 (blockwise, "
+                                   "per-block scales, fp32 accumulation); the whole run must use the same.")
     max_norm_ratio: float = _f(
         10.0, "A contribution whose pseudo-gradient norm exceeds this many times the group median is clipped.")
     state_timeout: float = _f(30.0, "Seconds to look for peers that share state when joining.")
+    sync_rounds: bool = _f(False, "Synchronous DiLoCo, a baseline: after every inner_steps, stop training until a "
+                                  "round of min_group_size peers completes (set it to the swarm's size).")
+    outer_apply: str = _f("group", "group: one Nesterov step per group average (right). per_contribution: one per "
+                                   "member's pseudo-gradient, as naive async DiLoCo does (a negative control for "
+                                   "benchmarks; sends target_group_size times more).")
 
     # --- network --------------------------------------------------------------------------
     initial_peers: list = _f([], "Multiaddrs of any live peers (or stock hivemind DHT nodes) to join through.")
@@ -113,6 +121,8 @@ class Config:
     eval_batches: int = _f(4, "Held-out batches evaluated after each applied outer step.")
     maddrs_file: str = _f("", "Write this peer's visible multiaddrs here, one per line, once the DHT is up.")
     threads: int = _f(0, "torch CPU threads (0 = torch default).")
+    slowdown: float = _f(1.0, "Benchmarks: make this peer N times slower by sleeping (N-1) times each inner "
+                              "step's compute time (a simulated straggler).")
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -143,7 +153,12 @@ class Config:
         need(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         need(self.request_timeout < self.matchmaking_time,
              "request_timeout must be smaller than matchmaking_time (hivemind deadlocks otherwise)")
-        need(self.compression in ("fp16", "none"), f"compression must be fp16 or none, got {self.compression!r}")
+        need(self.compression in CODECS, f"compression must be one of {', '.join(CODECS)}, got {self.compression!r}")
+        need(self.outer_apply in ("group", "per_contribution"),
+             f"outer_apply must be group or per_contribution, got {self.outer_apply!r}")
+        need(self.outer_apply == "group" or self.target_group_size <= 16,
+             "outer_apply = per_contribution needs target_group_size <= 16 (it sends that many vectors)")
+        need(math.isfinite(self.slowdown) and self.slowdown >= 1, f"slowdown must be >= 1, got {self.slowdown}")
         need(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, f"bad device {self.device!r}")
         for key in ("initial_peers", "host_maddrs", "announce_maddrs"):
             value = getattr(self, key)
@@ -189,8 +204,10 @@ class Config:
         return f"Config({', '.join(f'{k}={v!r}' for k, v in self.to_dict().items())})"
 
     def fingerprint(self) -> str:
-        """Hash of what peers must share to average together: run id and model shape."""
+        """Hash of what peers must share to average together: run id, model shape and the wire format."""
         shared = {"run_id": self.run_id, **{k: getattr(self, k) for k in MODEL_KEYS}}
+        if self.compression in ("int8", "int4") or self.outer_apply != "group":  # fp16 and fp32 interoperate
+            shared.update(compression=self.compression, outer_apply=self.outer_apply)
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:12]
 
     @property

@@ -87,15 +87,16 @@ class LocalSwarm:
             time.sleep(0.1)
         raise TimeoutError(f"peer {name} wrote no multiaddr within {timeout}s")
 
-    def start(self, name: str, *args: str, join: Optional[str | Sequence[str]] = None) -> PeerProcess:
+    def start(self, name: str, *args: str, join: Optional[str | Sequence[str]] = None,
+              wrapper: Sequence[str] = ()) -> PeerProcess:
         """Start `p2pdiloco join` as peer `name` (again, after a crash: same logs); join = name(s) of
-        live peers to bootstrap from."""
+        live peers to bootstrap from; wrapper = a command prefix such as `ip netns exec NS`."""
         if name in self.peers:
             self.reap(self.peers[name])
         log_dir = self.workdir / name
         maddrs_file = self.workdir / f"{name}.maddrs"
         maddrs_file.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "p2pdiloco", "join", "--config", self.config, "--log-dir", str(log_dir),
+        cmd = [*wrapper, sys.executable, "-m", "p2pdiloco", "join", "--config", self.config, "--log-dir", str(log_dir),
                "--maddrs-file", str(maddrs_file), *self.extra_args, *args]
         if join:
             names = [join] if isinstance(join, str) else list(join)
@@ -106,6 +107,22 @@ class LocalSwarm:
         proc = subprocess.Popen(cmd, stdout=stderr, stderr=stderr, stdin=subprocess.DEVNULL, env=self.env,
                                 start_new_session=True)
         self.peers[name] = PeerProcess(name, proc, log_dir, maddrs_file, stderr_path, list(args))
+        return self.peers[name]
+
+    def start_bootstrap(self, name: str = "boot", *, host: str = "127.0.0.1", wrapper: Sequence[str] = ()
+                        ) -> PeerProcess:
+        """A plain hivemind DHT node that trains nothing: every peer can then start at once and
+        join through it (the benchmarks want all peers to begin together)."""
+        maddrs_file = self.workdir / f"{name}.maddrs"
+        maddrs_file.unlink(missing_ok=True)
+        stderr_path = self.workdir / f"{name}.stderr"
+        stderr = open(stderr_path, "ab")
+        self._stderr_files.append(stderr)
+        cmd = [*wrapper, sys.executable, "-m", "p2pdiloco.localswarm", "bootstrap", f"/ip4/{host}/tcp/0",
+               str(maddrs_file)]
+        proc = subprocess.Popen(cmd, stdout=stderr, stderr=stderr, stdin=subprocess.DEVNULL, env=self.env,
+                                start_new_session=True)
+        self.peers[name] = PeerProcess(name, proc, self.workdir / name, maddrs_file, stderr_path)
         return self.peers[name]
 
     # ----------------------------------------------------------------------- observe
@@ -183,3 +200,27 @@ class LocalSwarm:
             peer.proc.kill()
             peer.proc.wait(timeout=10)
         peer.reaped = True
+
+
+def _bootstrap_main(host_maddr: str, maddrs_file: str) -> None:
+    """Run a DHT node until SIGTERM; its multiaddrs go to maddrs_file."""
+    import threading
+
+    import hivemind
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    dht = hivemind.DHT(start=True, host_maddrs=[host_maddr], nat_port_map=False, auto_nat=False)
+    try:
+        tmp = f"{maddrs_file}.tmp"
+        Path(tmp).write_text("".join(f"{a}\n" for a in dht.get_visible_maddrs()))
+        os.replace(tmp, maddrs_file)
+        stop.wait()
+    finally:
+        dht.shutdown()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4 or sys.argv[1] != "bootstrap":
+        sys.exit("usage: python -m p2pdiloco.localswarm bootstrap HOST_MADDR MADDRS_FILE")
+    _bootstrap_main(sys.argv[2], sys.argv[3])

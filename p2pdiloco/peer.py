@@ -10,6 +10,7 @@ outer step (or discards the round) and goes on.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import os
@@ -117,7 +118,9 @@ class Peer:
         self._announced = time.monotonic()
         # each peer reads the corpus in its own order
         self.gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + zlib.crc32(self.peer_id.encode()))
-        self.averager = DilocoAverager([torch.zeros(self.numel)], self.dht, cfg=cfg, state_fn=self.shared_state)
+        slots = cfg.target_group_size if cfg.outer_apply == "per_contribution" else 1
+        self.averager = DilocoAverager([torch.zeros(self.numel * slots)], self.dht, cfg=cfg,
+                                       state_fn=self.shared_state, slots=slots)
         self.rounds = RoundRunner(self.averager, self.dht, cfg)
         self._install_signal_handlers()  # again: hivemind's averager sets SIGINT to ignored when it starts
 
@@ -227,6 +230,7 @@ class Peer:
         self._progress_reading = None
         self.pending = None  # the round in flight: (future, snapshot, tokens, weight, age)
         t_start = last_log = time.monotonic()
+        self.compute_s = 0.0  # inside forward, backward and the optimizer step: the utilization numerator
         loss_sum, loss_n, tokens_at_log = torch.zeros((), device=self.device), 0, 0
         self.last_loss = math.nan
         self.model.train()
@@ -245,6 +249,7 @@ class Peer:
             for group in self.opt.param_groups:
                 group["lr"] = lr
             x, y = (t.to(self.device, non_blocking=True) for t in self.data.train_batch(cfg.batch_size, self.gen))
+            t_compute = time.perf_counter()
             with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 loss = self.model(x, y)
             loss.backward()
@@ -252,6 +257,12 @@ class Peer:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # time the step, not its launch
+            step_s = time.perf_counter() - t_compute
+            self.compute_s += step_s
+            if cfg.slowdown > 1:
+                time.sleep(step_s * (cfg.slowdown - 1))
             self.inner_step += 1
             self.steps_since_round += 1
             self.tokens += tokens_per_step
@@ -267,6 +278,8 @@ class Peer:
             # --- every inner_steps steps: hand the pseudo-gradient to a background round --
             if self.pending is None and self.steps_since_round >= cfg.inner_steps:
                 self.pending = self._start_round()
+                if cfg.sync_rounds:
+                    self._wait_round_sync(t_start)
 
             # --- every log interval: status line, metrics, progress record ---------------
             now = time.monotonic()
@@ -277,22 +290,40 @@ class Peer:
                 loss_sum.zero_()
                 loss_n, tokens_at_log, last_log = 0, self.tokens, now
 
+        # a budget reached (not a signal): let the last round land, bounded by the round's own timeouts
+        if self.pending is not None and not self.stop_event.is_set():
+            concurrent.futures.wait([self.pending[0]], timeout=self._round_bound())
         if self.pending is not None and self.pending[0].done():
             pending, self.pending = self.pending, None
             self._finish_round(pending)
-        self.metrics.log("final", inner_step=self.inner_step, outer_step=self.outer_step,
-                         eval_loss=self._evaluate())
+        self.metrics.log("final", inner_step=self.inner_step, outer_step=self.outer_step, eval_loss=self._evaluate(),
+                         tokens=self.tokens, compute_s=self.compute_s, wall_s=time.monotonic() - t_start)
         self._save_checkpoint()
 
-    def _should_stop(self, t_start: float) -> bool:
+    def _round_bound(self) -> float:
+        """The longest a round can take: matchmaking, all-reduce, verdicts."""
         cfg = self.cfg
-        return (self.stop_event.is_set()
-                or (cfg.max_time > 0 and time.monotonic() - t_start >= cfg.max_time)
-                or (cfg.max_inner_steps > 0 and self.inner_step >= cfg.max_inner_steps))
+        return cfg.matchmaking_time * 2 + cfg.request_timeout + cfg.allreduce_timeout + cfg.verdict_timeout + 5
+
+    def _wait_round_sync(self, t_start: float) -> None:
+        """Synchronous DiLoCo: no training until a full round applies (retried while the group is short)."""
+        while self.pending is not None and not self.stop_event.is_set() and not self._out_of_time(t_start):
+            concurrent.futures.wait([self.pending[0]], timeout=0.5)
+            if self.pending[0].done():
+                pending, self.pending = self.pending, None
+                if not self._finish_round(pending):
+                    self.pending = self._start_round()  # same pseudo-gradient: we have not trained since
+
+    def _should_stop(self, t_start: float) -> bool:
+        return (self.stop_event.is_set() or self._out_of_time(t_start)
+                or (self.cfg.max_inner_steps > 0 and self.inner_step >= self.cfg.max_inner_steps))
+
+    def _out_of_time(self, t_start: float) -> bool:
+        return self.cfg.max_time > 0 and time.monotonic() - t_start >= self.cfg.max_time
 
     def _log_inner(self, tokens_per_s: float) -> None:
         self.metrics.log("inner", inner_step=self.inner_step, outer_step=self.outer_step, loss=self.last_loss,
-                         tokens=self.tokens, tokens_per_s=tokens_per_s)
+                         tokens=self.tokens, tokens_per_s=tokens_per_s, compute_s=self.compute_s)
         self.metrics.status(f"[{self.peer_id[-6:]}] step {self.inner_step:6d}  outer {self.outer_step:4d}  "
                             f"loss {self.last_loss:6.3f}  {tokens_per_s:8.0f} tok/s")
         if time.monotonic() - self._announced > 60:
@@ -341,7 +372,8 @@ class Peer:
             digest = diloco.anchor_digest(self.anchor, self.digest_idx)
         if TEST_CORRUPT:
             delta = corrupt_for_test(delta, TEST_CORRUPT)
-        weight = contribution_weight(self.tokens_since_anchor, age)
+        # per_contribution: equal weights, so slot j of the average is member j's pseudo-gradient / group size
+        weight = 1.0 if cfg.outer_apply == "per_contribution" else contribution_weight(self.tokens_since_anchor, age)
         gather = {"peer": self.peer_id, "outer_step": self.outer_step, "tokens": self.tokens_since_anchor,
                   "digest": digest}
         self.steps_since_round = 0
@@ -350,7 +382,8 @@ class Peer:
             "allreduce_started", outer_step=outer_step))
         return future, snapshot, self.tokens_since_anchor, weight, age
 
-    def _finish_round(self, pending) -> None:
+    def _finish_round(self, pending) -> bool:
+        """Apply the round's average as one outer step (True), or discard it (False)."""
         future, snapshot, tokens, weight, age = pending
         outcome: RoundOutcome = future.result()
         if outcome.report is not None:
@@ -360,7 +393,7 @@ class Peer:
             self.metrics.log("round_failed", reason=outcome.reason, outer_step=self.outer_step,
                              round_s=outcome.round_s)
             logger.info(f"round discarded: {outcome.reason}")
-            return
+            return False
         members = list(outcome.members.values())
         reference = max(members, key=lambda m: (m["outer_step"], m["peer"]))
         mine = outcome.members[self.peer_id]
@@ -370,12 +403,17 @@ class Peer:
             # the reference members apply this round: wait until one of them offers the result
             self._resync(f"anchor differs from the group's (spread {spread:.2e})", keep_local=True,
                          min_outer_step=reference["outer_step"] + 1, tokens_kept=self.tokens_since_anchor - tokens)
-            return
+            return False
         diverged = sum(diloco.digest_spread(m["digest"], reference["digest"]) > self.cfg.anchor_tolerance
                        for m in members)
         with self.state_lock:
-            diloco.outer_step_(self.anchor, self.momentum, outcome.average, outer_lr=self.cfg.outer_lr,
-                               outer_momentum=self.cfg.outer_momentum)
+            if self.cfg.outer_apply == "per_contribution":  # the negative control: momentum per contribution
+                for contribution in outcome.average.view(-1, self.numel)[:len(members)]:
+                    diloco.outer_step_(self.anchor, self.momentum, contribution * len(members),
+                                       outer_lr=self.cfg.outer_lr, outer_momentum=self.cfg.outer_momentum)
+            else:
+                diloco.outer_step_(self.anchor, self.momentum, outcome.average, outer_lr=self.cfg.outer_lr,
+                                   outer_momentum=self.cfg.outer_momentum)
             self.outer_step = max(m["outer_step"] for m in members) + 1
         local = flat_params(self.model)
         load_flat_(self.model, diloco.merge_local(self.anchor, local, snapshot))
@@ -390,6 +428,7 @@ class Peer:
                          diverged_members=diverged)
         if self.outer_step % self.cfg.checkpoint_every == 0:
             self._save_checkpoint()
+        return True
 
     def _resync(self, reason: str, *, keep_local: bool, min_outer_step: int = 0, tokens_kept: int = 0) -> None:
         self._progress(f"p2pdiloco: resyncing state ({reason}) ...")

@@ -98,8 +98,8 @@ def check_run_config(dht: hivemind.DHT, cfg) -> None:
         theirs = {v.value for v in found.value.values() if isinstance(v.value, str)}
         if theirs and cfg.fingerprint() not in theirs:
             raise SwarmError(
-                f"run {cfg.run_id!r} is training another model config (fingerprint {', '.join(sorted(theirs))}, "
-                f"ours {cfg.fingerprint()}): use the swarm's preset or another --run-id")
+                f"run {cfg.run_id!r} is training another model config or wire format (fingerprint "
+                f"{', '.join(sorted(theirs))}, ours {cfg.fingerprint()}): use the swarm's preset or another --run-id")
     announce_config(dht, cfg)
 
 

@@ -120,4 +120,4 @@ def test_other_model_config_is_refused(tmp_path, corpus):
         swarm.start("b", "--n-embd", "32", join="a")
         code = swarm.wait_exit("b", timeout=60)
         assert code == 2
-        assert "another model config" in swarm.stderr("b")
+        assert "another model config or wire format" in swarm.stderr("b")

@@ -158,3 +158,20 @@ def test_dht_prefix_has_no_dot():
         assert "." not in cfg.dht_prefix
         assert cfg.run_id in cfg.dht_prefix
         assert cfg.fingerprint() in cfg.dht_prefix
+
+
+def test_fingerprint_keys_the_wire_format():
+    """fp16 and fp32 peers can average together; our low-bit codecs and the negative control cannot."""
+    base = Config()
+    assert Config(compression="none").fingerprint() == base.fingerprint()
+    assert Config(compression="int8").fingerprint() != base.fingerprint()
+    assert Config(compression="int4").fingerprint() != Config(compression="int8").fingerprint()
+    assert Config(outer_apply="per_contribution").fingerprint() != base.fingerprint()
+
+
+def test_benchmark_knobs_are_checked():
+    for bad in ({"compression": "int2"}, {"outer_apply": "each"}, {"slowdown": 0.5},
+                {"outer_apply": "per_contribution", "target_group_size": 32}):
+        with pytest.raises(ConfigError):
+            Config.from_sources(None, bad)
+    assert Config.from_sources(None, {"sync_rounds": "true"}).sync_rounds is True

@@ -1,0 +1,535 @@
+#!/usr/bin/env python3
+"""Benchmarks side by side: p2pdiloco against data-parallel and synchronous DiLoCo, measured here.
+
+    python scripts/bench.py quality     # final eval loss: DDP, sync DiLoCo, decoupled H=50/100, codecs,
+                                        #   and the negative control (Nesterov per contribution)
+    python scripts/bench.py traffic     # bytes on the wire per peer per inner step (network namespaces)
+    python scripts/bench.py stragglers  # one peer 4x slower: swarm tokens/s, time to a target loss
+    python scripts/bench.py slowlinks   # 50 Mbit/s links (tc tbf): wall time and compute utilization
+    python scripts/bench.py overhead    # inner step inside `p2pdiloco join` vs a bare torch loop
+    python scripts/bench.py all --repeat 2 --out runs/bench
+
+Every comparison runs the baselines and p2pdiloco on the same model, data, seeds and token budget
+(real `p2pdiloco join` processes, real torch.distributed/gloo DDP) and writes, into --out,
+`results.json`, `results.md` (tables, each target marked met or MISSED) and PNG plots.
+`--quick` is a tiny size (<= ~1 min per comparison, runs in parallel) that the tests run; its
+numbers mean nothing. traffic and slowlinks need root for `ip netns`; without it they say why
+and skip.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+
+from ddp_baseline import run_ddp  # noqa: E402
+from netns import HOST_IF, Namespaces, available  # noqa: E402
+
+from p2pdiloco.localswarm import LocalSwarm  # noqa: E402
+from p2pdiloco.metrics import read_metrics  # noqa: E402
+
+PRESET = str(ROOT / "peers" / "tiny-cpu.toml")
+
+
+@dataclass(frozen=True)
+class Size:
+    peers: int          # peers (and DDP ranks)
+    steps: int          # inner steps per peer: the token budget
+    duration: float     # seconds of training for the straggler comparison (a time budget)
+    eval_batches: int   # held-out batches behind every eval loss
+    parallel: int       # runs of one comparison at once (1 = clean timings)
+
+
+SIZES = {
+    "default": Size(peers=4, steps=1500, duration=150.0, eval_batches=16, parallel=1),
+    "quick": Size(peers=2, steps=60, duration=20.0, eval_batches=2, parallel=8),
+}
+
+
+class Bench:
+    def __init__(self, out: Path, size: Size, *, seed: int, data: str):
+        self.out, self.size, self.seed, self.data = out, size, seed, data
+
+    def common(self, steps: int, inner_steps: int = 50) -> dict:
+        """Config shared by every run of a comparison: the lr schedule spans the budget."""
+        return {"seed": self.seed, "threads": 1, "eval_batches": self.size.eval_batches, "log_interval": 2.0,
+                "total_steps": max(steps, 60), "warmup_steps": min(50, steps // 2), "data": self.data,
+                "inner_steps": inner_steps, "state_timeout": 3.0}
+
+    # ------------------------------------------------------------------------------ runs
+
+    def swarm(self, name: str, *, overrides: dict, per_peer: dict | None = None, net: Namespaces | None = None,
+              timeout: float = 1200) -> dict:
+        """A swarm of real `p2pdiloco join` processes that stop by themselves (max_inner_steps or
+        max_time); returns its summary. per_peer: peer index -> extra overrides."""
+        workdir = self.out / "runs" / f"{name}-s{self.seed}"
+        shutil.rmtree(workdir, ignore_errors=True)
+        names = [chr(ord("a") + i) for i in range(self.size.peers)]
+        overrides = {"run_id": f"bench-{name}-s{self.seed}", **overrides}
+        before = net.counters() if net else None
+        with LocalSwarm(workdir, config=PRESET) as swarm:
+            # every peer starts at once, through a DHT node that trains nothing
+            swarm.start_bootstrap("boot", host=net.addr(0) if net else "127.0.0.1", wrapper=net.prefix(0) if net else ())
+            for i, peer in enumerate(names):
+                values = {**overrides, **(per_peer or {}).get(i, {})}
+                if net is not None:
+                    values["host_maddrs"] = f"/ip4/{net.addr(i)}/tcp/0"
+                args = [a for k, v in values.items() for a in _flag(k, v)]
+                swarm.start(peer, *args, join="boot", wrapper=net.prefix(i) if net else ())
+            swarm.wait_for(lambda: all(swarm.peers[p].proc.poll() is not None for p in names), timeout,
+                           what=f"{name}: every peer done")
+            codes = swarm.stop_all()
+            failed = {peer: codes[peer] for peer in names if codes[peer] != 0}
+            if failed:
+                peer = next(iter(failed))
+                raise RuntimeError(f"{name}: peers exited with {failed}: {swarm.stderr(peer, 600)}")
+            records = {peer: read_metrics(swarm.peers[peer].log_dir / "metrics.jsonl") for peer in names}
+        after = net.counters() if net else None
+        slowdowns = {peer: float({**overrides, **(per_peer or {}).get(i, {})}.get("slowdown", 1.0))
+                     for i, peer in enumerate(names)}
+        return summarize_swarm(name, records, before, after, slowdowns)
+
+    def ddp(self, name: str, *, steps: int, overrides: dict, net: Namespaces | None = None) -> dict:
+        workdir = self.out / "runs" / f"{name}-s{self.seed}"
+        shutil.rmtree(workdir, ignore_errors=True)
+        before = net.counters() if net else None
+        kwargs = {}
+        if net is not None:
+            kwargs = dict(prefixes=[net.prefix(i) for i in range(self.size.peers)], master_addr=net.addr(0),
+                          ifname=HOST_IF)
+        result = run_ddp(workdir, world_size=self.size.peers, config=PRESET, steps=steps,
+                         overrides={k: v for k, v in overrides.items() if k != "inner_steps"},
+                         eval_every=max(10, steps // 10), **kwargs)
+        after = net.counters() if net else None
+        return summarize_ddp(name, result, before, after)
+
+    def many(self, jobs: list) -> list[dict]:
+        """Run (fn, kwargs) jobs, self.size.parallel at a time (a clean timing wants 1)."""
+        with ThreadPoolExecutor(max_workers=self.size.parallel) as pool:
+            return list(pool.map(lambda job: job[0](**job[1]), jobs))
+
+    # ----------------------------------------------------------------------- comparisons
+
+    def quality(self) -> dict:
+        n, steps = self.size.peers, self.size.steps
+        base = {**self.common(steps), "max_inner_steps": steps}
+        group = {"target_group_size": n}
+        sync = {"sync_rounds": True, "min_group_size": n, **group}
+        jobs = [(self.ddp, dict(name="ddp", steps=steps, overrides=base)),
+                (self.swarm, dict(name="sync_h50", overrides={**base, **sync})),
+                (self.swarm, dict(name="decoupled_h50", overrides={**base, **group})),
+                (self.swarm, dict(name="decoupled_h50_int8", overrides={**base, **group, "compression": "int8"})),
+                (self.swarm, dict(name="decoupled_h50_int4", overrides={**base, **group, "compression": "int4"})),
+                (self.swarm, dict(name="per_contribution_h50",
+                                  overrides={**base, **group, "outer_apply": "per_contribution"})),
+                (self.swarm, dict(name="sync_h100", overrides={**base, **sync, "inner_steps": 100})),
+                (self.swarm, dict(name="decoupled_h100", overrides={**base, **group, "inner_steps": 100}))]
+        runs = {r["name"]: r for r in self.many(jobs)}
+        ddp = runs["ddp"]["final_eval"]
+        gap = lambda a, b: 100 * (runs[a]["final_eval"] / b - 1)  # noqa: E731
+        checks = [
+            ("decoupled H=50 vs DDP", gap("decoupled_h50", ddp), 2.0),
+            ("decoupled H=50 vs sync DiLoCo H=50", gap("decoupled_h50", runs["sync_h50"]["final_eval"]), 1.0),
+            ("decoupled H=100 vs DDP", gap("decoupled_h100", ddp), 2.0),
+            ("decoupled H=100 vs sync DiLoCo H=100", gap("decoupled_h100", runs["sync_h100"]["final_eval"]), 1.0),
+            ("int8 vs fp16 (decoupled H=50)", gap("decoupled_h50_int8", runs["decoupled_h50"]["final_eval"]), 0.5),
+            ("int4 vs fp16 (decoupled H=50)", gap("decoupled_h50_int4", runs["decoupled_h50"]["final_eval"]), 0.5),
+        ]
+        control = gap("per_contribution_h50", runs["decoupled_h50"]["final_eval"])
+        return {"runs": runs, "gaps_pct": [{"what": w, "pct": p, "target_pct": t, "met": p <= t} for w, p, t in checks],
+                "negative_control": {"what": "Nesterov per contribution vs per group (H=50)", "pct": control,
+                                     "seen": control > 1.0}}
+
+    def traffic(self) -> dict:
+        ok, why = available()
+        if not ok:
+            return {"skipped": why}
+        n, steps = self.size.peers, self.size.steps // 2
+        base = {**self.common(steps), "max_inner_steps": steps, "target_group_size": n}
+        runs = {}
+        with Namespaces(n, tag="traffic") as net:  # one network at a time: its counters are per host
+            runs["ddp"] = self.ddp("traffic_ddp", steps=steps, overrides=base, net=net)
+            for codec in ("fp16", "int8", "int4"):
+                runs[codec] = self.swarm(f"traffic_{codec}", overrides={**base, "compression": codec}, net=net)
+        ddp_sent = runs["ddp"]["wire_sent_per_step"]
+        H = base["inner_steps"]
+        targets = {"fp16": 2 * H, "int4": 8 * H}
+        ratios = []
+        for codec in ("fp16", "int8", "int4"):
+            ratio = ddp_sent / runs[codec]["wire_sent_per_step"]
+            target = targets.get(codec)
+            ratios.append({"codec": codec, "ratio_vs_fp32_ddp": ratio, "target": target,
+                           "met": None if target is None else ratio >= target})
+        return {"runs": runs, "ratios": ratios, "inner_steps": H}
+
+    def stragglers(self) -> dict:
+        n, duration = self.size.peers, self.size.duration
+        base = {**self.common(10**6), "max_time": duration, "target_group_size": n,
+                "total_steps": int(duration * 15)}
+        slow = {n - 1: {"slowdown": 4.0}}
+        sync = {"sync_rounds": True, "min_group_size": n}
+        runs = {r["name"]: r for r in self.many([
+            (self.swarm, dict(name="straggler_decoupled", overrides=base, per_peer=slow)),
+            (self.swarm, dict(name="straggler_sync", overrides={**base, **sync}, per_peer=slow))])}
+        target = max(min(r["eval_curve_losses"] or [math.inf]) for r in runs.values()) * 1.02
+        out = {"runs": runs, "target_loss": target}
+        for mode, run in runs.items():
+            run["time_to_target_s"] = time_to_loss(run, target)
+            run["throughput_vs_own_speeds"] = run["swarm_tokens_per_s"] / run["sum_own_tokens_per_s"]
+        out["met"] = runs["straggler_decoupled"]["throughput_vs_own_speeds"] >= 0.95
+        return out
+
+    def slowlinks(self, rate_mbit: float = 50.0) -> dict:
+        ok, why = available()
+        if not ok:
+            return {"skipped": why}
+        n, steps = self.size.peers, self.size.steps // 2
+        base = {**self.common(steps), "max_inner_steps": steps, "target_group_size": n}
+        with Namespaces(n, rate_mbit=rate_mbit, tag="slow") as net:
+            runs = {"ddp": self.ddp("slow_ddp", steps=steps, overrides=base, net=net),
+                    "p2pdiloco": self.swarm("slow_p2pdiloco", overrides=base, net=net)}
+        util = runs["p2pdiloco"]["compute_utilization"]
+        return {"runs": runs, "rate_mbit": rate_mbit, "utilization": util, "met": util >= 0.97,
+                "speedup_vs_ddp": runs["ddp"]["wall_s"] / runs["p2pdiloco"]["wall_s"]}
+
+    def overhead(self) -> dict:
+        """Two peers in a swarm vs two bare loops at once: the same CPU contention in both."""
+        steps = self.size.steps
+        base = {**self.common(steps), "max_inner_steps": steps, "eval_batches": 1}
+        pair = Bench(self.out, replace(self.size, peers=2), seed=self.seed, data=self.data)
+        run = pair.swarm("overhead_swarm", overrides={**base, "target_group_size": 2})
+        bare = bare_loops(2, steps, base)
+        peer_step = statistics.mean(p["wall_s"] / p["inner_step"] for p in run["peers"].values())
+        bare_step = statistics.mean(b["wall_s"] / b["steps"] for b in bare)
+        pct = 100 * (peer_step / bare_step - 1)
+        return {"swarm": run, "bare": bare, "peer_step_ms": 1e3 * peer_step, "bare_step_ms": 1e3 * bare_step,
+                "overhead_pct": pct, "met": pct <= 3.0}
+
+
+def _flag(key: str, value) -> list[str]:
+    flag = key.replace("_", "-")
+    if isinstance(value, bool):
+        return [f"--{flag}" if value else f"--no-{flag}"]
+    return [f"--{flag}", str(value)]
+
+
+# --------------------------------------------------------------------------- summaries
+
+def summarize_swarm(name: str, records: dict, before, after, slowdowns: dict) -> dict:
+    peers = {}
+    for peer, recs in records.items():
+        final = next(r for r in recs if r["event"] == "final")
+        outer = [r for r in recs if r["event"] == "outer"]
+        peers[peer] = {"final_eval": final["eval_loss"], "tokens": final["tokens"], "inner_step": final["inner_step"],
+                       "outer_steps_applied": len(outer), "wall_s": final["wall_s"], "compute_s": final["compute_s"],
+                       "end": final["time"], "start": final["time"] - final["wall_s"],
+                       "rounds_failed": sum(r["event"] == "round_failed" for r in recs),
+                       "resyncs": sum(r["event"] == "resync" for r in recs),
+                       "msg_bytes_sent": sum(r["bytes_sent"] for r in outer),
+                       "msg_bytes_recv": sum(r["bytes_recv"] for r in outer)}
+    start, end = min(p["start"] for p in peers.values()), max(p["end"] for p in peers.values())
+    tokens = sum(p["tokens"] for p in peers.values())
+    steps = sum(p["inner_step"] for p in peers.values())
+    curve = swarm_curve(records, start)
+    out = {"name": name, "kind": "p2pdiloco", "final_eval": statistics.mean(p["final_eval"] for p in peers.values()),
+           "tokens": tokens, "wall_s": end - start, "swarm_tokens_per_s": tokens / (end - start),
+           "sum_own_tokens_per_s": sum(p["tokens"] / (p["compute_s"] * slowdowns[k]) for k, p in peers.items()),
+           "compute_utilization": statistics.mean(p["compute_s"] / p["wall_s"] for p in peers.values()),
+           "curve": curve, "eval_curve_losses": [c[2] for c in curve], "peers": peers,
+           "msg_sent_per_step": sum(p["msg_bytes_sent"] for p in peers.values()) / steps}
+    out.update(_wire(before, after, steps))
+    return out
+
+
+def swarm_curve(records: dict, start: float) -> list:
+    """(swarm tokens, seconds, eval loss) at every applied outer step of every peer, in time order."""
+    inner = {peer: [(r["time"], r["tokens"]) for r in recs if r["event"] == "inner"] for peer, recs in records.items()}
+
+    def tokens_at(t: float) -> int:
+        return sum(max([tok for (tt, tok) in points if tt <= t], default=0) for points in inner.values())
+
+    points = [(r["time"], r["eval_loss"]) for recs in records.values() for r in recs if r["event"] == "outer"]
+    return [(tokens_at(t), t - start, loss) for t, loss in sorted(points) if loss is not None]
+
+
+def summarize_ddp(name: str, result: dict, before, after) -> dict:
+    final = result["final"]
+    ranks = result["ranks"]
+    evals = [r for r in ranks[0] if r["event"] == "eval"]
+    steps = sum(next(r for r in recs if r["event"] == "final")["inner_step"] for recs in ranks)
+    wall = final["wall_s"]
+    out = {"name": name, "kind": "ddp", "final_eval": final["eval_loss"], "tokens": final["tokens"], "wall_s": wall,
+           "swarm_tokens_per_s": final["tokens"] / wall,
+           "curve": [(r["tokens"], r["time"] - (final["time"] - wall), r["eval_loss"]) for r in evals]
+           + [(final["tokens"], wall, final["eval_loss"])]}
+    out["eval_curve_losses"] = [c[2] for c in out["curve"]]
+    out.update(_wire(before, after, steps))
+    return out
+
+
+def _wire(before, after, steps: int) -> dict:
+    """Bytes at each host's interface (netns counters) per inner step, averaged over peers."""
+    if before is None:
+        return {}
+    n = len(before)
+    sent = sum(a["tx_bytes"] - b["tx_bytes"] for a, b in zip(after, before))
+    recv = sum(a["rx_bytes"] - b["rx_bytes"] for a, b in zip(after, before))
+    return {"wire_sent_per_step": sent / steps, "wire_recv_per_step": recv / steps, "wire_hosts": n}
+
+
+def time_to_loss(run: dict, target: float):
+    return next((t for _, t, loss in run["curve"] if loss <= target), None)
+
+
+# ------------------------------------------------------------------------- bare loop
+
+def bare_loops(count: int, steps: int, overrides: dict) -> list[dict]:
+    """`count` bare torch loops at once (subprocesses), each the peer's inner step and nothing else."""
+    procs = []
+    try:
+        for i in range(count):
+            cmd = [sys.executable, __file__, "_bare", "--steps", str(steps), "--seed", str(i),
+                   "--overrides", json.dumps(overrides)]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=600)
+            if p.returncode != 0:
+                raise RuntimeError(f"bare loop failed: {err[-600:]}")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+
+
+def bare_main(steps: int, seed: int, overrides: dict) -> None:
+    """The inner step of Peer._train, alone: same model, batch, AdamW, schedule, clipping."""
+    import torch
+
+    from p2pdiloco import diloco
+    from p2pdiloco.config import Config
+    from p2pdiloco.data import load_data
+    from p2pdiloco.model import GPT
+
+    cfg = Config.from_sources(PRESET, {k: v for k, v in overrides.items() if k != "max_inner_steps"})
+    torch.set_num_threads(cfg.threads or torch.get_num_threads())
+    data = load_data(cfg, progress=lambda m: None)
+    torch.manual_seed(cfg.seed)
+    model = GPT.from_config(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(seed)
+    model.train()
+    t0 = time.monotonic()
+    for step in range(steps):
+        lr = diloco.inner_lr_at(step, inner_lr=cfg.inner_lr, warmup_steps=cfg.warmup_steps,
+                                total_steps=cfg.total_steps, min_lr_ratio=cfg.min_lr_ratio)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        x, y = data.train_batch(cfg.batch_size, gen)
+        loss = model(x, y)
+        loss.backward()
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    print(json.dumps({"steps": steps, "wall_s": time.monotonic() - t0, "loss": float(loss)}))
+
+
+# ---------------------------------------------------------------------------- report
+
+def report(results: dict, out: Path) -> str:
+    lines = ["# p2pdiloco benchmarks", ""]
+    for seed, comps in results["by_seed"].items():
+        lines += [f"## seed {seed}", ""]
+        for name, comp in list(comps.items()):
+            if "error" in comp:
+                lines += [f"### {name}: FAILED", "", f"    {comp['error'][:500]}", ""]
+        comps = {name: comp for name, comp in comps.items() if "error" not in comp}
+        q = comps.get("quality")
+        if q:
+            lines += ["### quality (final eval loss, same token budget)", "",
+                      "| run | final eval loss | tokens | wall s | outer steps/peer | resyncs |", "|---|---|---|---|---|---|"]
+            for r in q["runs"].values():
+                peers = r.get("peers", {})
+                outer = statistics.mean(p["outer_steps_applied"] for p in peers.values()) if peers else "-"
+                resyncs = sum(p["resyncs"] for p in peers.values()) if peers else "-"
+                lines.append(f"| {r['name']} | {r['final_eval']:.4f} | {r['tokens']} | {r['wall_s']:.0f} | "
+                             f"{_num(outer)} | {resyncs} |")
+            lines += ["", "| comparison | gap | target | |", "|---|---|---|---|"]
+            for g in q["gaps_pct"]:
+                lines.append(f"| {g['what']} | {g['pct']:+.2f}% | <= +{g['target_pct']}% | "
+                             f"{'met' if g['met'] else 'MISSED'} |")
+            c = q["negative_control"]
+            lines += [f"| negative control: {c['what']} | {c['pct']:+.2f}% | worse (> +1%) | "
+                      f"{'seen' if c['seen'] else 'NOT SEEN'} |", ""]
+        t = comps.get("traffic")
+        if t:
+            lines += ["### traffic (bytes at each host's interface, per peer per inner step)", ""]
+            if "skipped" in t:
+                lines += [f"skipped: {t['skipped']}", ""]
+            else:
+                lines += ["| run | sent B/step | recv B/step | DDP fp32 / this | target | |", "|---|---|---|---|---|---|"]
+                lines.append(f"| ddp fp32 | {t['runs']['ddp']['wire_sent_per_step']:.0f} | "
+                             f"{t['runs']['ddp']['wire_recv_per_step']:.0f} | 1 | | |")
+                for r in t["ratios"]:
+                    run = t["runs"][r["codec"]]
+                    target = f">= {r['target']}x" if r["target"] else ""
+                    met = "" if r["met"] is None else ("met" if r["met"] else "MISSED")
+                    lines.append(f"| p2pdiloco {r['codec']} | {run['wire_sent_per_step']:.0f} | "
+                                 f"{run['wire_recv_per_step']:.0f} | {r['ratio_vs_fp32_ddp']:.0f}x | {target} | {met} |")
+                lines.append("")
+        s = comps.get("stragglers")
+        if s:
+            lines += [f"### stragglers (one peer 4x slower; target loss {s['target_loss']:.4f})", "",
+                      "| mode | swarm tok/s | sum of own speeds | ratio | time to target s | final eval |",
+                      "|---|---|---|---|---|---|"]
+            for r in s["runs"].values():
+                lines.append(f"| {r['name']} | {r['swarm_tokens_per_s']:.0f} | {r['sum_own_tokens_per_s']:.0f} | "
+                             f"{r['throughput_vs_own_speeds']:.3f} | {_num(r['time_to_target_s'])} | "
+                             f"{r['final_eval']:.4f} |")
+            lines += ["", f"decoupled throughput >= 95% of own speeds: {'met' if s['met'] else 'MISSED'}", ""]
+        sl = comps.get("slowlinks")
+        if sl:
+            lines += ["### slow links", ""]
+            if "skipped" in sl:
+                lines += [f"skipped: {sl['skipped']}", ""]
+            else:
+                lines += [f"{sl['rate_mbit']:g} Mbit/s per host (tc tbf, both directions)", "",
+                          "| run | wall s | tokens | compute utilization |", "|---|---|---|---|"]
+                for r in sl["runs"].values():
+                    lines.append(f"| {r['name']} | {r['wall_s']:.1f} | {r['tokens']} | "
+                                 f"{_num(r.get('compute_utilization'))} |")
+                lines += ["", f"p2pdiloco utilization {sl['utilization']:.3f} (target >= 0.97: "
+                          f"{'met' if sl['met'] else 'MISSED'}); {sl['speedup_vs_ddp']:.1f}x faster than DDP", ""]
+        o = comps.get("overhead")
+        if o:
+            lines += ["### overhead", "", f"inner step in `p2pdiloco join` {o['peer_step_ms']:.2f} ms vs bare loop "
+                      f"{o['bare_step_ms']:.2f} ms: {o['overhead_pct']:+.2f}% (target <= 3%: "
+                      f"{'met' if o['met'] else 'MISSED'})", ""]
+    text = "\n".join(lines)
+    (out / "results.md").write_text(text)
+    return text
+
+
+def _num(v) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else ("-" if v is None else str(v))
+
+
+def plot(results: dict, out: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("bench: matplotlib is not installed (pip install -e '.[bench]'): no plots", file=sys.stderr)
+        return []
+    made = []
+    for seed, comps in results["by_seed"].items():
+        for comp in ("quality", "stragglers", "slowlinks"):
+            runs = (comps.get(comp) or {}).get("runs")
+            if not runs:
+                continue
+            fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+            for r in runs.values():
+                curve = [c for c in r["curve"] if c[2] is not None]
+                if not curve:
+                    continue
+                axes[0].plot([c[0] for c in curve], [c[2] for c in curve], ".-", ms=3, lw=1, label=r["name"])
+                axes[1].plot([c[1] for c in curve], [c[2] for c in curve], ".-", ms=3, lw=1, label=r["name"])
+            axes[0].set_xlabel("tokens (whole swarm)")
+            axes[1].set_xlabel("wall time (s)")
+            for ax in axes:
+                ax.set_ylabel("eval loss")
+                ax.grid(alpha=0.3)
+            axes[1].legend(fontsize=8)
+            fig.suptitle(f"{comp}, seed {seed}")
+            fig.tight_layout()
+            path = out / f"{comp}-seed{seed}.png"
+            fig.savefig(path, dpi=90)
+            plt.close(fig)
+            made.append(path.name)
+    return made
+
+
+# ------------------------------------------------------------------------------ main
+
+COMPARISONS = ("quality", "traffic", "stragglers", "slowlinks", "overhead")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("comparison", choices=[*COMPARISONS, "all", "_bare"])
+    parser.add_argument("--quick", action="store_true", help="tiny size for the tests (numbers mean nothing)")
+    parser.add_argument("--out", default="", help="output directory (default: a new temporary directory)")
+    parser.add_argument("--repeat", type=int, default=1, help="run everything this many times (seeds 0, 1, ...)")
+    parser.add_argument("--data", default="", help="corpus file (default: the bundled Shakespeare corpus)")
+    parser.add_argument("--steps", type=int, default=0, help="override the size's inner steps per peer")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overrides", default="{}", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.comparison == "_bare":
+        bare_main(args.steps, args.seed, json.loads(args.overrides))
+        return 0
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
+    size = SIZES["quick" if args.quick else "default"]
+    if args.steps:
+        size = replace(size, steps=args.steps)
+    out = Path(args.out or tempfile.mkdtemp(prefix="p2pdiloco-bench-"))
+    out.mkdir(parents=True, exist_ok=True)
+    names = COMPARISONS if args.comparison == "all" else (args.comparison,)
+    results_path = out / "results.json"
+    results = json.loads(results_path.read_text()) if results_path.exists() else {"by_seed": {}}
+    results.update(size=size.__dict__, machine=machine())
+    failures = []
+    for seed in range(args.seed, args.seed + args.repeat):
+        bench = Bench(out, size, seed=seed, data=args.data)
+        for name in names:
+            t0 = time.monotonic()
+            print(f"bench: {name} (seed {seed}) ...", flush=True)
+            try:
+                result = getattr(bench, name)()
+            except Exception as e:  # one broken comparison must not cost the others: reported, exit 1
+                result = {"error": f"{type(e).__name__}: {e}"[:2000]}
+                failures.append(f"{name} (seed {seed}): {result['error'][:300]}")
+            result["bench_s"] = time.monotonic() - t0
+            results["by_seed"].setdefault(str(seed), {})[name] = result
+            results_path.write_text(json.dumps(results, indent=1))
+            print(f"bench: {name} (seed {seed}) done in {result['bench_s']:.0f}s", flush=True)
+    print(report(results, out))
+    plots = plot(results, out)
+    print(f"bench: results.json, results.md{''.join(', ' + p for p in plots)} in {out}")
+    for failure in failures:
+        print(f"bench: FAILED {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def machine() -> dict:
+    import os
+    import platform
+
+    import torch
+
+    return {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "platform": platform.platform()}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
