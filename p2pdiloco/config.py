@@ -118,7 +118,9 @@ class Config:
     max_inner_steps: int = _f(0, "Stop cleanly after this many local inner steps (0 = no limit).")
     log_dir: str = _f("", "Directory for metrics.jsonl and the resolved config.")
     log_interval: float = _f(5.0, "Seconds between status lines and inner metrics.")
-    eval_batches: int = _f(4, "Held-out batches evaluated after each applied outer step.")
+    eval_batches: int = _f(4, "Held-out batches behind each evaluation of the anchor.")
+    eval_every: int = _f(1, "Evaluate the anchor every this many outer steps (and at the end); eval costs "
+                            "eval_batches forward passes.")
     maddrs_file: str = _f("", "Write this peer's visible multiaddrs here, one per line, once the DHT is up.")
     threads: int = _f(0, "torch CPU threads (0 = torch default).")
     slowdown: float = _f(1.0, "Benchmarks: make this peer N times slower by sleeping (N-1) times each inner "
@@ -132,7 +134,7 @@ class Config:
         need(re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.run_id) is not None,
              f"run_id must be 1-64 letters, digits, '-' or '_', got {self.run_id!r}")
         for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "inner_steps",
-                    "target_group_size", "min_group_size", "eval_batches", "checkpoint_every"):
+                    "target_group_size", "min_group_size", "eval_batches", "eval_every", "checkpoint_every"):
             need(getattr(self, key) >= 1, f"{key} must be >= 1, got {getattr(self, key)}")
         need(self.n_embd % self.n_head == 0, f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         need(self.min_group_size <= self.target_group_size, "min_group_size must be <= target_group_size")

@@ -1,7 +1,7 @@
 """Metrics: one JSON object per line in `LOG_DIR/metrics.jsonl`, plus a human status line.
 
 Events (the contract documented in the README):
-    inner        every log interval: inner_step, outer_step, loss, tokens, tokens_per_s
+    inner        every log interval: inner_step, outer_step, loss, tokens, tokens_per_s, compute_s
     outer        each applied outer step: outer_step, group_size, weight, staleness, round_s,
                  bytes_sent, bytes_recv, eval_loss, anchor_spread
     join         after a state download: loaded_outer_step, download_s
@@ -11,7 +11,7 @@ Events (the contract documented in the README):
     bad_contribution   our reducer excluded or clipped a sender's parts: sender, reason
     resume       restarted from a checkpoint: outer_step, inner_step
     checkpoint_failed  a checkpoint write failed (the previous one is kept): reason
-    final        at a clean stop: inner_step, outer_step, eval_loss
+    final        at a clean stop: inner_step, outer_step, eval_loss, tokens, compute_s, wall_s, final_wait_s
 """
 
 from __future__ import annotations

@@ -290,6 +290,7 @@ class Peer:
                 loss_sum.zero_()
                 loss_n, tokens_at_log, last_log = 0, self.tokens, now
 
+        wall_s = time.monotonic() - t_start
         # a budget reached (not a signal): let the last round land, bounded by the round's own timeouts
         if self.pending is not None and not self.stop_event.is_set():
             concurrent.futures.wait([self.pending[0]], timeout=self._round_bound())
@@ -297,7 +298,8 @@ class Peer:
             pending, self.pending = self.pending, None
             self._finish_round(pending)
         self.metrics.log("final", inner_step=self.inner_step, outer_step=self.outer_step, eval_loss=self._evaluate(),
-                         tokens=self.tokens, compute_s=self.compute_s, wall_s=time.monotonic() - t_start)
+                         tokens=self.tokens, compute_s=self.compute_s, wall_s=wall_s,
+                         final_wait_s=time.monotonic() - t_start - wall_s)
         self._save_checkpoint()
 
     def _round_bound(self) -> float:
@@ -424,7 +426,8 @@ class Peer:
         report = outcome.report
         self.metrics.log("outer", outer_step=self.outer_step, group_size=len(members), weight=weight, tokens=tokens,
                          staleness=age, round_s=outcome.round_s, bytes_sent=report.bytes_sent,
-                         bytes_recv=report.bytes_recv, eval_loss=self._evaluate(), anchor_spread=spread,
+                         bytes_recv=report.bytes_recv, anchor_spread=spread,
+                         eval_loss=self._evaluate() if self.outer_step % self.cfg.eval_every == 0 else None,
                          diverged_members=diverged)
         if self.outer_step % self.cfg.checkpoint_every == 0:
             self._save_checkpoint()

@@ -51,11 +51,12 @@ class Size:
     duration: float     # seconds of training for the straggler comparison (a time budget)
     eval_batches: int   # held-out batches behind every eval loss
     parallel: int       # runs of one comparison at once (1 = clean timings)
+    inner_steps: int    # H (the quality comparison also runs 2H)
 
 
 SIZES = {
-    "default": Size(peers=4, steps=1500, duration=150.0, eval_batches=16, parallel=1),
-    "quick": Size(peers=2, steps=60, duration=20.0, eval_batches=2, parallel=8),
+    "default": Size(peers=4, steps=1500, duration=150.0, eval_batches=16, parallel=1, inner_steps=50),
+    "quick": Size(peers=2, steps=80, duration=20.0, eval_batches=2, parallel=8, inner_steps=20),
 }
 
 
@@ -63,16 +64,16 @@ class Bench:
     def __init__(self, out: Path, size: Size, *, seed: int, data: str):
         self.out, self.size, self.seed, self.data = out, size, seed, data
 
-    def common(self, steps: int, inner_steps: int = 50) -> dict:
+    def common(self, steps: int) -> dict:
         """Config shared by every run of a comparison: the lr schedule spans the budget."""
         return {"seed": self.seed, "threads": 1, "eval_batches": self.size.eval_batches, "log_interval": 2.0,
                 "total_steps": max(steps, 60), "warmup_steps": min(50, steps // 2), "data": self.data,
-                "inner_steps": inner_steps, "state_timeout": 3.0}
+                "inner_steps": self.size.inner_steps, "state_timeout": 3.0}
 
     # ------------------------------------------------------------------------------ runs
 
     def swarm(self, name: str, *, overrides: dict, per_peer: dict | None = None, net: Namespaces | None = None,
-              timeout: float = 1200) -> dict:
+              timeout: float = 1200, preset: str = PRESET) -> dict:
         """A swarm of real `p2pdiloco join` processes that stop by themselves (max_inner_steps or
         max_time); returns its summary. per_peer: peer index -> extra overrides."""
         workdir = self.out / "runs" / f"{name}-s{self.seed}"
@@ -80,7 +81,7 @@ class Bench:
         names = [chr(ord("a") + i) for i in range(self.size.peers)]
         overrides = {"run_id": f"bench-{name}-s{self.seed}", **overrides}
         before = net.counters() if net else None
-        with LocalSwarm(workdir, config=PRESET) as swarm:
+        with LocalSwarm(workdir, config=preset) as swarm:
             # every peer starts at once, through a DHT node that trains nothing
             swarm.start_bootstrap("boot", host=net.addr(0) if net else "127.0.0.1", wrapper=net.prefix(0) if net else ())
             for i, peer in enumerate(names):
@@ -124,7 +125,7 @@ class Bench:
     # ----------------------------------------------------------------------- comparisons
 
     def quality(self) -> dict:
-        n, steps = self.size.peers, self.size.steps
+        n, steps, H = self.size.peers, self.size.steps, self.size.inner_steps
         base = {**self.common(steps), "max_inner_steps": steps}
         group = {"target_group_size": n}
         sync = {"sync_rounds": True, "min_group_size": n, **group}
@@ -135,8 +136,8 @@ class Bench:
                 (self.swarm, dict(name="decoupled_h50_int4", overrides={**base, **group, "compression": "int4"})),
                 (self.swarm, dict(name="per_contribution_h50",
                                   overrides={**base, **group, "outer_apply": "per_contribution"})),
-                (self.swarm, dict(name="sync_h100", overrides={**base, **sync, "inner_steps": 100})),
-                (self.swarm, dict(name="decoupled_h100", overrides={**base, **group, "inner_steps": 100}))]
+                (self.swarm, dict(name="sync_h100", overrides={**base, **sync, "inner_steps": 2 * H})),
+                (self.swarm, dict(name="decoupled_h100", overrides={**base, **group, "inner_steps": 2 * H}))]
         runs = {r["name"]: r for r in self.many(jobs)}
         ddp = runs["ddp"]["final_eval"]
         gap = lambda a, b: 100 * (runs[a]["final_eval"] / b - 1)  # noqa: E731
@@ -177,8 +178,9 @@ class Bench:
 
     def stragglers(self) -> dict:
         n, duration = self.size.peers, self.size.duration
+        # evaluating the anchor is not training: every 5th outer step keeps it ~1% of the time
         base = {**self.common(10**6), "max_time": duration, "target_group_size": n,
-                "total_steps": int(duration * 15)}
+                "total_steps": int(duration * 15), "eval_every": 5}
         slow = {n - 1: {"slowdown": 4.0}}
         sync = {"sync_rounds": True, "min_group_size": n}
         runs = {r["name"]: r for r in self.many([
@@ -197,7 +199,7 @@ class Bench:
         if not ok:
             return {"skipped": why}
         n, steps = self.size.peers, self.size.steps // 2
-        base = {**self.common(steps), "max_inner_steps": steps, "target_group_size": n}
+        base = {**self.common(steps), "max_inner_steps": steps, "target_group_size": n, "eval_every": 5}
         with Namespaces(n, rate_mbit=rate_mbit, tag="slow") as net:
             runs = {"ddp": self.ddp("slow_ddp", steps=steps, overrides=base, net=net),
                     "p2pdiloco": self.swarm("slow_p2pdiloco", overrides=base, net=net)}
@@ -206,17 +208,70 @@ class Bench:
                 "speedup_vs_ddp": runs["ddp"]["wall_s"] / runs["p2pdiloco"]["wall_s"]}
 
     def overhead(self) -> dict:
-        """Two peers in a swarm vs two bare loops at once: the same CPU contention in both."""
-        steps = self.size.steps
-        base = {**self.common(steps), "max_inner_steps": steps, "eval_batches": 1}
+        """Two peers in a swarm vs two bare loops at once (the same CPU contention), at H and 10 H:
+        each round costs CPU in the background processes (DHT, averager, p2pd), so the overhead
+        falls as rounds get rarer."""
         pair = Bench(self.out, replace(self.size, peers=2), seed=self.seed, data=self.data)
-        run = pair.swarm("overhead_swarm", overrides={**base, "target_group_size": 2})
-        bare = bare_loops(2, steps, base)
+        by_h = {}
+        for H in (self.size.inner_steps, 10 * self.size.inner_steps):
+            steps = max(self.size.steps, 3 * H)
+            base = {**self.common(steps), "max_inner_steps": steps, "eval_batches": 1, "eval_every": 10**6,
+                    "inner_steps": H}
+            run = pair.swarm(f"overhead_swarm_h{H}", overrides={**base, "target_group_size": 2})
+            bare = bare_loops(2, steps, base)
+            peer_step = statistics.mean(p["wall_s"] / p["inner_step"] for p in run["peers"].values())
+            bare_step = statistics.mean(b["wall_s"] / b["steps"] for b in bare)
+            pct = 100 * (peer_step / bare_step - 1)
+            by_h[H] = {"swarm": run, "bare": bare, "peer_step_ms": 1e3 * peer_step, "bare_step_ms": 1e3 * bare_step,
+                       "rounds_per_peer": statistics.mean(p["outer_steps_applied"] for p in run["peers"].values()),
+                       "overhead_pct": pct, "met": pct <= 3.0}
+        return {"by_inner_steps": by_h}
+
+    def gpu(self) -> dict:
+        """On a CUDA machine: 2 small-gpu peers (both on this machine's GPUs) for `duration` seconds,
+        then 2 bare loops for as many steps: inner tokens/s, MFU and the overhead."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return {"skipped": "no CUDA device"}
+        preset = str(ROOT / "peers" / "small-gpu.toml")
+        cfg = {"seed": self.seed, "host_maddrs": "/ip4/127.0.0.1/tcp/0", "max_time": self.size.duration,
+               "state_timeout": 10.0, "eval_batches": 2, "log_interval": 10.0, "data": self.data,
+               "target_group_size": 2}
+        pair = Bench(self.out, replace(self.size, peers=2), seed=self.seed, data=self.data)
+        run = pair.swarm("gpu_swarm", overrides=cfg, preset=preset, timeout=self.size.duration + 600)
+        steps = min(p["inner_step"] for p in run["peers"].values())
+        bare = bare_loops(2, steps, {k: v for k, v in cfg.items() if k not in ("max_time", "host_maddrs")}, preset)
         peer_step = statistics.mean(p["wall_s"] / p["inner_step"] for p in run["peers"].values())
         bare_step = statistics.mean(b["wall_s"] / b["steps"] for b in bare)
-        pct = 100 * (peer_step / bare_step - 1)
-        return {"swarm": run, "bare": bare, "peer_step_ms": 1e3 * peer_step, "bare_step_ms": 1e3 * bare_step,
-                "overhead_pct": pct, "met": pct <= 3.0}
+        from p2pdiloco.config import Config
+
+        model_cfg = Config.from_sources(preset, {})
+        tokens_per_s = [p["tokens"] / p["wall_s"] for p in run["peers"].values()]
+        flops = flops_per_token(model_cfg)
+        peak = peak_flops(torch.cuda.get_device_name())
+        return {"swarm": run, "bare": bare, "device": torch.cuda.get_device_name(),
+                "inner_tokens_per_s": tokens_per_s, "flops_per_token": flops, "peak_flops": peak,
+                "mfu": [t * flops / peak for t in tokens_per_s] if peak else None,
+                "peer_step_ms": 1e3 * peer_step, "bare_step_ms": 1e3 * bare_step,
+                "overhead_pct": 100 * (peer_step / bare_step - 1)}
+
+
+def flops_per_token(cfg) -> float:
+    """Training FLOPs per token: 6 N (weights) + 12 L d T (attention), as in the PaLM appendix."""
+    d, L, T, V = cfg.n_embd, cfg.n_layer, cfg.block_size, cfg.vocab_size
+    params = L * 12 * d * d + V * d + T * d
+    return 6 * params + 12 * L * d * T
+
+
+def peak_flops(device_name: str) -> float | None:
+    """Dense bf16 peak of known GPUs (vendor datasheets); P2PDILOCO_PEAK_TFLOPS overrides."""
+    import os
+
+    if os.environ.get("P2PDILOCO_PEAK_TFLOPS"):
+        return float(os.environ["P2PDILOCO_PEAK_TFLOPS"]) * 1e12
+    table = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "4090": 165e12}
+    return next((v for k, v in table.items() if k in device_name), None)
 
 
 def _flag(key: str, value) -> list[str]:
@@ -235,7 +290,8 @@ def summarize_swarm(name: str, records: dict, before, after, slowdowns: dict) ->
         outer = [r for r in recs if r["event"] == "outer"]
         peers[peer] = {"final_eval": final["eval_loss"], "tokens": final["tokens"], "inner_step": final["inner_step"],
                        "outer_steps_applied": len(outer), "wall_s": final["wall_s"], "compute_s": final["compute_s"],
-                       "end": final["time"], "start": final["time"] - final["wall_s"],
+                       "final_wait_s": final.get("final_wait_s", 0.0), "end": final["time"],
+                       "start": final["time"] - final["wall_s"] - final.get("final_wait_s", 0.0),
                        "rounds_failed": sum(r["event"] == "round_failed" for r in recs),
                        "resyncs": sum(r["event"] == "resync" for r in recs),
                        "msg_bytes_sent": sum(r["bytes_sent"] for r in outer),
@@ -296,13 +352,13 @@ def time_to_loss(run: dict, target: float):
 
 # ------------------------------------------------------------------------- bare loop
 
-def bare_loops(count: int, steps: int, overrides: dict) -> list[dict]:
+def bare_loops(count: int, steps: int, overrides: dict, preset: str = PRESET) -> list[dict]:
     """`count` bare torch loops at once (subprocesses), each the peer's inner step and nothing else."""
     procs = []
     try:
         for i in range(count):
             cmd = [sys.executable, __file__, "_bare", "--steps", str(steps), "--seed", str(i),
-                   "--overrides", json.dumps(overrides)]
+                   "--overrides", json.dumps(overrides), "--preset", preset]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         results = []
         for p in procs:
@@ -318,7 +374,7 @@ def bare_loops(count: int, steps: int, overrides: dict) -> list[dict]:
                 p.wait(timeout=10)
 
 
-def bare_main(steps: int, seed: int, overrides: dict) -> None:
+def bare_main(steps: int, seed: int, overrides: dict, preset: str = PRESET) -> None:
     """The inner step of Peer._train, alone: same model, batch, AdamW, schedule, clipping."""
     import torch
 
@@ -326,12 +382,14 @@ def bare_main(steps: int, seed: int, overrides: dict) -> None:
     from p2pdiloco.config import Config
     from p2pdiloco.data import load_data
     from p2pdiloco.model import GPT
+    from p2pdiloco.peer import pick_device
 
-    cfg = Config.from_sources(PRESET, {k: v for k, v in overrides.items() if k != "max_inner_steps"})
+    cfg = Config.from_sources(preset, {k: v for k, v in overrides.items() if k != "max_inner_steps"})
     torch.set_num_threads(cfg.threads or torch.get_num_threads())
+    device = pick_device(cfg.device)
     data = load_data(cfg, progress=lambda m: None)
     torch.manual_seed(cfg.seed)
-    model = GPT.from_config(cfg)
+    model = GPT.from_config(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(seed)
     model.train()
@@ -341,20 +399,67 @@ def bare_main(steps: int, seed: int, overrides: dict) -> None:
                                 total_steps=cfg.total_steps, min_lr_ratio=cfg.min_lr_ratio)
         for group in opt.param_groups:
             group["lr"] = lr
-        x, y = data.train_batch(cfg.batch_size, gen)
-        loss = model(x, y)
+        x, y = (t.to(device, non_blocking=True) for t in data.train_batch(cfg.batch_size, gen))
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(x, y)
         loss.backward()
         if cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # as the peer does after every step
     print(json.dumps({"steps": steps, "wall_s": time.monotonic() - t0, "loss": float(loss)}))
 
 
 # ---------------------------------------------------------------------------- report
 
+def headline(results: dict) -> list[str]:
+    """One row per target, one column per seed: the numbers docs/benchmarks.md quotes."""
+    seeds = list(results["by_seed"])
+    rows: dict[str, list[str]] = {}
+
+    def put(key: str, seed_index: int, text: str) -> None:
+        rows.setdefault(key, ["-"] * len(seeds))[seed_index] = text
+
+    for i, seed in enumerate(seeds):
+        comps = {k: v for k, v in results["by_seed"][seed].items() if "error" not in v and "skipped" not in v}
+        if "quality" in comps:
+            q = comps["quality"]
+            for name in ("ddp", "sync_h50", "decoupled_h50", "sync_h100", "decoupled_h100"):
+                put(f"final eval loss, {name}", i, f"{q['runs'][name]['final_eval']:.4f}")
+            for g in q["gaps_pct"]:
+                put(f"{g['what']} (target <= +{g['target_pct']}%)", i,
+                    f"{g['pct']:+.2f}% {'met' if g['met'] else 'MISSED'}")
+            c = q["negative_control"]
+            put(f"negative control: {c['what']}", i, f"{c['pct']:+.2f}% {'seen' if c['seen'] else 'NOT SEEN'}")
+        if "traffic" in comps:
+            for r in comps["traffic"]["ratios"]:
+                target = f" (target >= {r['target']}x)" if r["target"] else ""
+                met = "" if r["met"] is None else (" met" if r["met"] else " MISSED")
+                put(f"wire bytes sent, fp32 DDP / p2pdiloco {r['codec']}{target}", i,
+                    f"{r['ratio_vs_fp32_ddp']:.0f}x{met}")
+        if "stragglers" in comps:
+            s = comps["stragglers"]
+            for name, r in s["runs"].items():
+                put(f"{name}: swarm tok/s / sum of own speeds", i, f"{r['throughput_vs_own_speeds']:.3f}")
+                put(f"{name}: time to eval loss {s['target_loss']:.3f} (s)", i, _num(r["time_to_target_s"]))
+        if "slowlinks" in comps:
+            sl = comps["slowlinks"]
+            put("slow links: p2pdiloco compute utilization (target >= 0.97)", i,
+                f"{sl['utilization']:.3f} {'met' if sl['met'] else 'MISSED'}")
+            put("slow links: wall time DDP / p2pdiloco at equal tokens", i, f"{sl['speedup_vs_ddp']:.2f}x")
+        if "overhead" in comps:
+            for H, o in comps["overhead"]["by_inner_steps"].items():
+                put(f"overhead of join vs bare loop, H={H} (target <= 3%)", i,
+                    f"{o['overhead_pct']:+.2f}% {'met' if o['met'] else 'MISSED'}")
+    lines = ["| measure | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---" * (len(seeds) + 1) + "|"]
+    lines += [f"| {k} | " + " | ".join(v) + " |" for k, v in rows.items()]
+    return lines
+
+
 def report(results: dict, out: Path) -> str:
-    lines = ["# p2pdiloco benchmarks", ""]
+    lines = ["# p2pdiloco benchmarks", "", *headline(results), ""]
     for seed, comps in results["by_seed"].items():
         lines += [f"## seed {seed}", ""]
         for name, comp in list(comps.items()):
@@ -417,11 +522,24 @@ def report(results: dict, out: Path) -> str:
                                  f"{_num(r.get('compute_utilization'))} |")
                 lines += ["", f"p2pdiloco utilization {sl['utilization']:.3f} (target >= 0.97: "
                           f"{'met' if sl['met'] else 'MISSED'}); {sl['speedup_vs_ddp']:.1f}x faster than DDP", ""]
-        o = comps.get("overhead")
-        if o:
-            lines += ["### overhead", "", f"inner step in `p2pdiloco join` {o['peer_step_ms']:.2f} ms vs bare loop "
-                      f"{o['bare_step_ms']:.2f} ms: {o['overhead_pct']:+.2f}% (target <= 3%: "
-                      f"{'met' if o['met'] else 'MISSED'})", ""]
+        if comps.get("overhead"):
+            lines += ["### overhead", "", "| H | rounds/peer | step in join ms | bare loop ms | overhead | |",
+                      "|---|---|---|---|---|---|"]
+            for H, o in comps["overhead"]["by_inner_steps"].items():
+                lines.append(f"| {H} | {o['rounds_per_peer']:.0f} | {o['peer_step_ms']:.2f} | {o['bare_step_ms']:.2f} | "
+                             f"{o['overhead_pct']:+.2f}% | {'met' if o['met'] else 'MISSED'} (<= 3%) |")
+            lines.append("")
+        g = comps.get("gpu")
+        if g:
+            lines += ["### gpu (2 small-gpu peers)", ""]
+            if "skipped" in g:
+                lines += [f"skipped: {g['skipped']}", ""]
+            else:
+                mfu = ", ".join(f"{m:.1%}" for m in g["mfu"]) if g["mfu"] else "unknown peak"
+                lines += [f"{g['device']}: inner tokens/s per peer "
+                          f"{', '.join(f'{t:.0f}' for t in g['inner_tokens_per_s'])}; MFU {mfu}; inner step "
+                          f"{g['peer_step_ms']:.1f} ms vs bare loop {g['bare_step_ms']:.1f} ms "
+                          f"({g['overhead_pct']:+.2f}%)", ""]
     text = "\n".join(lines)
     (out / "results.md").write_text(text)
     return text
@@ -475,7 +593,7 @@ COMPARISONS = ("quality", "traffic", "stragglers", "slowlinks", "overhead")
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("comparison", choices=[*COMPARISONS, "all", "_bare"])
+    parser.add_argument("comparison", nargs="+", choices=[*COMPARISONS, "all", "gpu", "_bare"])
     parser.add_argument("--quick", action="store_true", help="tiny size for the tests (numbers mean nothing)")
     parser.add_argument("--out", default="", help="output directory (default: a new temporary directory)")
     parser.add_argument("--repeat", type=int, default=1, help="run everything this many times (seeds 0, 1, ...)")
@@ -483,18 +601,22 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=0, help="override the size's inner steps per peer")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overrides", default="{}", help=argparse.SUPPRESS)
+    parser.add_argument("--preset", default=PRESET, help=argparse.SUPPRESS)
+    parser.add_argument("--duration", type=float, default=0, help="gpu: seconds of training (default 180)")
     args = parser.parse_args(argv)
-    if args.comparison == "_bare":
-        bare_main(args.steps, args.seed, json.loads(args.overrides))
+    if args.comparison == ["_bare"]:
+        bare_main(args.steps, args.seed, json.loads(args.overrides), args.preset)
         return 0
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
     size = SIZES["quick" if args.quick else "default"]
     if args.steps:
         size = replace(size, steps=args.steps)
+    if args.duration:
+        size = replace(size, duration=args.duration)
     out = Path(args.out or tempfile.mkdtemp(prefix="p2pdiloco-bench-"))
     out.mkdir(parents=True, exist_ok=True)
-    names = COMPARISONS if args.comparison == "all" else (args.comparison,)
+    names = COMPARISONS if "all" in args.comparison else tuple(dict.fromkeys(args.comparison))
     results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {"by_seed": {}}
     results.update(size=size.__dict__, machine=machine())

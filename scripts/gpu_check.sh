@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU check, one prepared script for a CUDA machine: 2 peers of the small-gpu preset (~85M
+# parameters, bf16 autocast, anchor and outer state on CPU) train on loopback for DURATION seconds
+# (default 180), then 2 bare torch loops run as many steps. Prints inner tokens/s per peer, MFU
+# and the overhead of `p2pdiloco join` over the bare loop; writes results.json/.md into OUT.
+#
+#   bash scripts/gpu_check.sh                      # OUT=runs/gpu-check DURATION=180
+#   PYTHON=python3 DURATION=120 bash scripts/gpu_check.sh
+#
+# PYTHON must have a CUDA torch and hivemind==1.1.12 (carry its wheel to an offline machine).
+# The corpus must be in ~/.cache/p2pdiloco or given as DATA=file.txt (no download on a GPU box).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+  if [ -x .venv/bin/python ] && .venv/bin/python -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
+    PY=.venv/bin/python
+  else
+    PY=python3
+  fi
+fi
+"$PY" - <<'PYCHECK'
+import sys
+try:
+    import torch
+    import hivemind  # noqa: F401
+except ImportError as e:
+    sys.exit(f"gpu_check: {e}: install torch (CUDA) and hivemind==1.1.12 for this python")
+if not torch.cuda.is_available():
+    sys.exit("gpu_check: torch sees no CUDA device here")
+print(f"gpu_check: {torch.cuda.get_device_name()}, torch {torch.__version__}, hivemind {hivemind.__version__}")
+PYCHECK
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+exec "$PY" scripts/bench.py gpu --out "${OUT:-runs/gpu-check}" --duration "${DURATION:-180}" --data "${DATA:-}"
