@@ -75,6 +75,9 @@ class Config:
     outer_lr: float = _f(0.7, "Outer Nesterov learning rate (0.4-0.6 suits groups of 2-3).")
     outer_momentum: float = _f(0.9, "Outer Nesterov momentum.")
     max_staleness: int = _f(4, "A peer this many outer steps behind the swarm reloads state instead of contributing.")
+    group_share: bool = _f(False, "Experimental: scale a group's average by its share of the live swarm (members / "
+                                  "live peers), so that several small groups move the anchor as far as one full "
+                                  "group would (see docs/benchmarks.md).")
     anchor_tolerance: float = _f(
         1e-3, "Relative anchor difference within a round above which members count as diverged and resync."
     )

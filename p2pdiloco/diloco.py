@@ -35,6 +35,18 @@ def outer_step_(anchor: torch.Tensor, momentum: torch.Tensor, avg_pseudo_grad: t
     anchor.sub_(avg_pseudo_grad + outer_momentum * momentum, alpha=outer_lr)
 
 
+def group_share(swarm_views: list) -> float:
+    """The share of the live swarm in a group: members / live peers, where live peers is the lower
+    median of the members' views (one member cannot shrink everyone's step by overstating it).
+    A group's average is scaled by it, so that k groups of N/k peers move the anchor about as far
+    per unit of work as one group of N would: applied in full, each small group's average (same
+    size as a full group's) would take a whole outer step, k times the step of synchronous DiLoCo."""
+    views = sorted(max(1, int(v)) if isinstance(v, (int, float)) and math.isfinite(v) else 1 for v in swarm_views)
+    if not views:
+        return 1.0
+    return min(1.0, len(views) / views[(len(views) - 1) // 2])
+
+
 def merge_local(new_anchor: torch.Tensor, local: torch.Tensor, snapshot: torch.Tensor) -> torch.Tensor:
     """The new local weights: the new anchor plus the progress made since the snapshot."""
     return new_anchor + (local - snapshot)

@@ -2,7 +2,7 @@
 
 Events (the contract documented in the README):
     inner        every log interval: inner_step, outer_step, loss, tokens, tokens_per_s, compute_s
-    outer        each applied outer step: outer_step, group_size, weight, staleness, round_s,
+    outer        each applied outer step: outer_step, group_size, share, weight, staleness, round_s,
                  bytes_sent, bytes_recv, eval_loss, anchor_spread
     join         after a state download: loaded_outer_step, download_s
     round_failed a discarded round: reason

@@ -227,6 +227,7 @@ class Peer:
         self.tokens_since_anchor = 0  # tokens behind the current pseudo-gradient
         self.steps_since_round = 0
         self.swarm_outer_step = self.outer_step
+        self.swarm_size = 1
         self._progress_reading = None
         self.pending = None  # the round in flight: (future, snapshot, tokens, weight, age)
         t_start = last_log = time.monotonic()
@@ -347,6 +348,7 @@ class Peer:
 
     def _note_progress(self, records: dict) -> None:
         self.swarm_outer_step = max([self.outer_step, *(r.get("outer_step", 0) for r in records.values())])
+        self.swarm_size = len(set(records) | {self.peer_id})  # live peers: records expire
 
     def _refresh_swarm_outer_step(self) -> None:
         """The highest outer step in the peers' progress records (read in the background)."""
@@ -377,7 +379,7 @@ class Peer:
         # per_contribution: equal weights, so slot j of the average is member j's pseudo-gradient / group size
         weight = 1.0 if cfg.outer_apply == "per_contribution" else contribution_weight(self.tokens_since_anchor, age)
         gather = {"peer": self.peer_id, "outer_step": self.outer_step, "tokens": self.tokens_since_anchor,
-                  "digest": digest}
+                  "digest": digest, "swarm": self.swarm_size}
         self.steps_since_round = 0
         outer_step = self.outer_step
         future = self.rounds.start(delta, weight=weight, gather=gather, on_allreduce=lambda: self.metrics.log(
@@ -408,13 +410,15 @@ class Peer:
             return False
         diverged = sum(diloco.digest_spread(m["digest"], reference["digest"]) > self.cfg.anchor_tolerance
                        for m in members)
+        # every member derives the same share from the same announcements, so anchors stay equal
+        share = diloco.group_share([m.get("swarm", 1) for m in members]) if self.cfg.group_share else 1.0
         with self.state_lock:
             if self.cfg.outer_apply == "per_contribution":  # the negative control: momentum per contribution
                 for contribution in outcome.average.view(-1, self.numel)[:len(members)]:
                     diloco.outer_step_(self.anchor, self.momentum, contribution * len(members),
                                        outer_lr=self.cfg.outer_lr, outer_momentum=self.cfg.outer_momentum)
             else:
-                diloco.outer_step_(self.anchor, self.momentum, outcome.average, outer_lr=self.cfg.outer_lr,
+                diloco.outer_step_(self.anchor, self.momentum, outcome.average * share, outer_lr=self.cfg.outer_lr,
                                    outer_momentum=self.cfg.outer_momentum)
             self.outer_step = max(m["outer_step"] for m in members) + 1
         local = flat_params(self.model)
@@ -424,8 +428,8 @@ class Peer:
         if not self.cfg.client_mode:
             self.averager.state_sharing_priority = float(self.outer_step)
         report = outcome.report
-        self.metrics.log("outer", outer_step=self.outer_step, group_size=len(members), weight=weight, tokens=tokens,
-                         staleness=age, round_s=outcome.round_s, bytes_sent=report.bytes_sent,
+        self.metrics.log("outer", outer_step=self.outer_step, group_size=len(members), share=share, weight=weight,
+                         tokens=tokens, staleness=age, round_s=outcome.round_s, bytes_sent=report.bytes_sent,
                          bytes_recv=report.bytes_recv, anchor_spread=spread,
                          eval_loss=self._evaluate() if self.outer_step % self.cfg.eval_every == 0 else None,
                          diverged_members=diverged)

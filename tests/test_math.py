@@ -393,3 +393,13 @@ def test_contribution_policy_two_members_uses_the_lower_median():
     assert policy.excluded == [False, False]
     # a malformed announcement (not a dict, no norm) is excluded, not a crash
     assert ContributionPolicy.from_gathered([None, {"norm": 1.0}], max_norm_ratio=10.0).excluded == [True, False]
+
+
+def test_group_share_is_members_over_the_lower_median_view():
+    assert diloco.group_share([4, 4]) == 0.5
+    assert diloco.group_share([4, 4, 4, 4]) == 1.0
+    assert diloco.group_share([3, 4]) == pytest.approx(2 / 3)       # lower median of two views
+    assert diloco.group_share([1, 1]) == 1.0                        # never more than a full step
+    assert diloco.group_share([4, 10**9, 4]) == 0.75                # one liar moves nothing
+    assert diloco.group_share([4, float("nan"), "x"]) == 1.0        # bad views count as 1
+    assert diloco.group_share([]) == 1.0

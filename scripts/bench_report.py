@@ -1,0 +1,187 @@
+"""Tables and plots of scripts/bench.py's results.json: `results.md` (one headline row per target,
+one column per seed, then every comparison in detail) and PNG plots of eval loss against tokens
+and wall time."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+
+def _opened(lines: list, comp, title: str) -> bool:
+    """Start a section; a comparison that could not run here says why and shows no table."""
+    if not comp:
+        return False
+    lines += [title, ""]
+    if "skipped" in comp:
+        lines += [f"skipped: {comp['skipped']}", ""]
+        return False
+    return True
+
+
+def headline(results: dict) -> list[str]:
+    """One row per target, one column per seed: the numbers docs/benchmarks.md quotes."""
+    seeds = list(results["by_seed"])
+    rows: dict[str, list[str]] = {}
+
+    def put(key: str, seed_index: int, text: str) -> None:
+        rows.setdefault(key, ["-"] * len(seeds))[seed_index] = text
+
+    for i, seed in enumerate(seeds):
+        comps = {k: v for k, v in results["by_seed"][seed].items() if "error" not in v and "skipped" not in v}
+        if "quality" in comps:
+            q = comps["quality"]
+            for name in ("ddp", "sync_h50", "decoupled_h50", "sync_h100", "decoupled_h100"):
+                put(f"final eval loss, {name}", i, f"{q['runs'][name]['final_eval']:.4f}")
+            for g in q["gaps_pct"]:
+                put(f"{g['what']} (target <= +{g['target_pct']}%)", i,
+                    f"{g['pct']:+.2f}% {'met' if g['met'] else 'MISSED'}")
+            c = q["negative_control"]
+            put(f"negative control: {c['what']}", i, f"{c['pct']:+.2f}% {'seen' if c['seen'] else 'NOT SEEN'}")
+        if "traffic" in comps:
+            for r in comps["traffic"]["ratios"]:
+                target = f" (target >= {r['target']}x)" if r["target"] else ""
+                met = "" if r["met"] is None else (" met" if r["met"] else " MISSED")
+                put(f"wire bytes sent, fp32 DDP / p2pdiloco {r['codec']}{target}", i,
+                    f"{r['ratio_vs_fp32_ddp']:.0f}x{met}")
+        if "stragglers" in comps:
+            s = comps["stragglers"]
+            for name, r in s["runs"].items():
+                put(f"{name}: swarm tok/s / sum of own speeds", i, f"{r['throughput_vs_own_speeds']:.3f}")
+                put(f"{name}: time to eval loss {s['target_loss']:.3f} (s)", i, _num(r["time_to_target_s"]))
+        if "slowlinks" in comps:
+            sl = comps["slowlinks"]
+            put("slow links: p2pdiloco compute utilization (target >= 0.97)", i,
+                f"{sl['utilization']:.3f} {'met' if sl['met'] else 'MISSED'}")
+            put("slow links: wall time DDP / p2pdiloco at equal tokens", i, f"{sl['speedup_vs_ddp']:.2f}x")
+        if "overhead" in comps:
+            for H, o in comps["overhead"]["by_inner_steps"].items():
+                put(f"overhead of join vs bare loop, H={H} (target <= 3%)", i,
+                    f"{o['overhead_pct']:+.2f}% {'met' if o['met'] else 'MISSED'}")
+    lines = ["| measure | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---" * (len(seeds) + 1) + "|"]
+    lines += [f"| {k} | " + " | ".join(v) + " |" for k, v in rows.items()]
+    return lines
+
+
+def report(results: dict, out: Path) -> str:
+    lines = ["# p2pdiloco benchmarks", "", *headline(results), ""]
+    for seed, comps in results["by_seed"].items():
+        lines += [f"## seed {seed}", ""]
+        for name, comp in list(comps.items()):
+            if "error" in comp:
+                lines += [f"### {name}: FAILED", "", f"    {comp['error'][:500]}", ""]
+        comps = {name: comp for name, comp in comps.items() if "error" not in comp}
+        q = comps.get("quality")
+        if q:
+            lines += ["### quality (final eval loss, same token budget)", "",
+                      "| run | final eval loss | tokens | wall s | outer steps/peer | resyncs |", "|---|---|---|---|---|---|"]
+            for r in q["runs"].values():
+                peers = r.get("peers", {})
+                outer = statistics.mean(p["outer_steps_applied"] for p in peers.values()) if peers else "-"
+                resyncs = sum(p["resyncs"] for p in peers.values()) if peers else "-"
+                lines.append(f"| {r['name']} | {r['final_eval']:.4f} | {r['tokens']} | {r['wall_s']:.0f} | "
+                             f"{_num(outer)} | {resyncs} |")
+            lines += ["", "| comparison | gap | target | |", "|---|---|---|---|"]
+            for g in q["gaps_pct"]:
+                lines.append(f"| {g['what']} | {g['pct']:+.2f}% | <= +{g['target_pct']}% | "
+                             f"{'met' if g['met'] else 'MISSED'} |")
+            c = q["negative_control"]
+            lines += [f"| negative control: {c['what']} | {c['pct']:+.2f}% | worse (> +1%) | "
+                      f"{'seen' if c['seen'] else 'NOT SEEN'} |", ""]
+        t = comps.get("traffic")
+        if _opened(lines, t, "### traffic (bytes at each host's interface, per peer per inner step)"):
+            lines += ["| run | sent B/step | recv B/step | DDP fp32 / this | target | |", "|---|---|---|---|---|---|"]
+            lines.append(f"| ddp fp32 | {t['runs']['ddp']['wire_sent_per_step']:.0f} | "
+                         f"{t['runs']['ddp']['wire_recv_per_step']:.0f} | 1 | | |")
+            for r in t["ratios"]:
+                run = t["runs"][r["codec"]]
+                target = f">= {r['target']}x" if r["target"] else ""
+                met = "" if r["met"] is None else ("met" if r["met"] else "MISSED")
+                lines.append(f"| p2pdiloco {r['codec']} | {run['wire_sent_per_step']:.0f} | "
+                             f"{run['wire_recv_per_step']:.0f} | {r['ratio_vs_fp32_ddp']:.0f}x | {target} | {met} |")
+            lines.append("")
+        s = comps.get("stragglers")
+        if s:
+            lines += [f"### stragglers (one peer 4x slower; target loss {s['target_loss']:.4f})", "",
+                      "| mode | swarm tok/s | sum of own speeds | ratio | time to target s | final eval |",
+                      "|---|---|---|---|---|---|"]
+            for r in s["runs"].values():
+                lines.append(f"| {r['name']} | {r['swarm_tokens_per_s']:.0f} | {r['sum_own_tokens_per_s']:.0f} | "
+                             f"{r['throughput_vs_own_speeds']:.3f} | {_num(r['time_to_target_s'])} | "
+                             f"{r['final_eval']:.4f} |")
+            lines += ["", f"decoupled throughput >= 95% of own speeds: {'met' if s['met'] else 'MISSED'}", ""]
+        sl = comps.get("slowlinks")
+        if _opened(lines, sl, "### slow links"):
+            lines += [f"{sl['rate_mbit']:g} Mbit/s per host (tc tbf, both directions)", "",
+                      "| run | wall s | tokens | compute utilization |", "|---|---|---|---|"]
+            for r in sl["runs"].values():
+                lines.append(f"| {r['name']} | {r['wall_s']:.1f} | {r['tokens']} | "
+                             f"{_num(r.get('compute_utilization'))} |")
+            lines += ["", f"p2pdiloco utilization {sl['utilization']:.3f} (target >= 0.97: "
+                      f"{'met' if sl['met'] else 'MISSED'}); wall time DDP / p2pdiloco {sl['speedup_vs_ddp']:.2f}x", ""]
+        if comps.get("overhead"):
+            lines += ["### overhead", "", "| H | rounds/peer | step in join ms | bare loop ms | overhead | |",
+                      "|---|---|---|---|---|---|"]
+            for H, o in comps["overhead"]["by_inner_steps"].items():
+                lines.append(f"| {H} | {o['rounds_per_peer']:.0f} | {o['peer_step_ms']:.2f} | {o['bare_step_ms']:.2f} | "
+                             f"{o['overhead_pct']:+.2f}% | {'met' if o['met'] else 'MISSED'} (<= 3%) |")
+            lines.append("")
+        g = comps.get("gpu")
+        if _opened(lines, g, "### gpu (2 small-gpu peers)"):
+            mfu = ", ".join(f"{m:.1%}" for m in g["mfu"]) if g["mfu"] else "unknown peak"
+            lines += [f"{g['device']}: inner tokens/s per peer "
+                      f"{', '.join(f'{t:.0f}' for t in g['inner_tokens_per_s'])}; MFU {mfu}; inner step "
+                      f"{g['peer_step_ms']:.1f} ms vs bare loop {g['bare_step_ms']:.1f} ms "
+                      f"({g['overhead_pct']:+.2f}%)", ""]
+    text = "\n".join(lines)
+    (out / "results.md").write_text(text)
+    return text
+
+
+def _num(v) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else ("-" if v is None else str(v))
+
+
+def plot(results: dict, out: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("bench: matplotlib is not installed (pip install -e '.[bench]'): no plots", file=sys.stderr)
+        return []
+    made = []
+    for seed, comps in results["by_seed"].items():
+        for comp in ("quality", "stragglers", "slowlinks"):
+            runs = (comps.get(comp) or {}).get("runs")
+            if not runs:
+                continue
+            fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+            shown = []
+            for r in runs.values():
+                curve = [c for c in r["curve"] if c[2] is not None]
+                if not curve:
+                    continue
+                # a diverged run (the negative control) would flatten the others: listed, off the chart
+                label = r["name"] if r["final_eval"] < 2 * r["curve"][0][2] else f"{r['name']} (diverged, off chart)"
+                if "off chart" not in label:
+                    shown += [c[2] for c in curve]
+                axes[0].plot([c[0] for c in curve], [c[2] for c in curve], ".-", ms=3, lw=1, label=label)
+                axes[1].plot([c[1] for c in curve], [c[2] for c in curve], ".-", ms=3, lw=1, label=label)
+            axes[0].set_xlabel("tokens (whole swarm)")
+            axes[1].set_xlabel("wall time (s)")
+            for ax in axes:
+                ax.set_ylabel("eval loss")
+                if shown:
+                    ax.set_ylim(min(shown) * 0.97, max(shown) * 1.03)
+                ax.grid(alpha=0.3)
+            axes[1].legend(fontsize=8)
+            fig.suptitle(f"{comp}, seed {seed}")
+            fig.tight_layout()
+            path = out / f"{comp}-seed{seed}.png"
+            fig.savefig(path, dpi=90)
+            plt.close(fig)
+            made.append(path.name)
+    return made
