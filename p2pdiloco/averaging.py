@@ -430,8 +430,9 @@ class RoundRunner:
     def _run(self, pseudo_grad: torch.Tensor, weight: float, gather: dict, on_allreduce) -> RoundOutcome:
         t0 = time.monotonic()
         with self.averager.get_tensors() as (buffer,):
-            buffer.zero_()
-            buffer[:pseudo_grad.numel()].copy_(pseudo_grad)  # slot 0; the averager moves it (per_contribution)
+            if buffer.numel() != pseudo_grad.numel():  # per_contribution: slot 0, the averager moves it
+                buffer.zero_()
+            buffer[:pseudo_grad.numel()].copy_(pseudo_grad)
         gather = {**gather, "norm": float(pseudo_grad.norm()), "weight": weight}
         if self.cfg.run_secret:
             gather["token"] = peer_token(self.cfg.run_secret, self.peer_id)

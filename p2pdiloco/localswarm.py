@@ -91,38 +91,34 @@ class LocalSwarm:
               wrapper: Sequence[str] = ()) -> PeerProcess:
         """Start `p2pdiloco join` as peer `name` (again, after a crash: same logs); join = name(s) of
         live peers to bootstrap from; wrapper = a command prefix such as `ip netns exec NS`."""
-        if name in self.peers:
-            self.reap(self.peers[name])
-        log_dir = self.workdir / name
-        maddrs_file = self.workdir / f"{name}.maddrs"
-        maddrs_file.unlink(missing_ok=True)
+        log_dir, maddrs_file = self.workdir / name, self.workdir / f"{name}.maddrs"
         cmd = [*wrapper, sys.executable, "-m", "p2pdiloco", "join", "--config", self.config, "--log-dir", str(log_dir),
                "--maddrs-file", str(maddrs_file), *self.extra_args, *args]
         if join:
             names = [join] if isinstance(join, str) else list(join)
             cmd += ["--initial-peers", *[self.maddr(n) for n in names]]
-        stderr_path = self.workdir / f"{name}.stderr"
-        stderr = open(stderr_path, "ab")
-        self._stderr_files.append(stderr)
-        proc = subprocess.Popen(cmd, stdout=stderr, stderr=stderr, stdin=subprocess.DEVNULL, env=self.env,
-                                start_new_session=True)
-        self.peers[name] = PeerProcess(name, proc, log_dir, maddrs_file, stderr_path, list(args))
-        return self.peers[name]
+        return self._spawn(name, cmd, args)
 
     def start_bootstrap(self, name: str = "boot", *, host: str = "127.0.0.1", wrapper: Sequence[str] = ()
                         ) -> PeerProcess:
         """A plain hivemind DHT node that trains nothing: every peer can then start at once and
         join through it (the benchmarks want all peers to begin together)."""
+        cmd = [*wrapper, sys.executable, "-m", "p2pdiloco.localswarm", "bootstrap", f"/ip4/{host}/tcp/0",
+               str(self.workdir / f"{name}.maddrs")]
+        return self._spawn(name, cmd, ())
+
+    def _spawn(self, name: str, cmd: list, args: Sequence[str]) -> PeerProcess:
+        """Run cmd as `name` in its own process group, stdout and stderr appended to name.stderr."""
+        if name in self.peers:
+            self.reap(self.peers[name])
         maddrs_file = self.workdir / f"{name}.maddrs"
         maddrs_file.unlink(missing_ok=True)
         stderr_path = self.workdir / f"{name}.stderr"
         stderr = open(stderr_path, "ab")
         self._stderr_files.append(stderr)
-        cmd = [*wrapper, sys.executable, "-m", "p2pdiloco.localswarm", "bootstrap", f"/ip4/{host}/tcp/0",
-               str(maddrs_file)]
         proc = subprocess.Popen(cmd, stdout=stderr, stderr=stderr, stdin=subprocess.DEVNULL, env=self.env,
                                 start_new_session=True)
-        self.peers[name] = PeerProcess(name, proc, self.workdir / name, maddrs_file, stderr_path)
+        self.peers[name] = PeerProcess(name, proc, self.workdir / name, maddrs_file, stderr_path, list(args))
         return self.peers[name]
 
     # ----------------------------------------------------------------------- observe
