@@ -81,12 +81,12 @@ class Bench:
         shutil.rmtree(workdir, ignore_errors=True)
         names = [chr(ord("a") + i) for i in range(self.size.peers)]
         overrides = {"run_id": f"bench-{name}-s{self.seed}", **overrides}
+        peer_values = [{**overrides, **(per_peer or {}).get(i, {})} for i in range(len(names))]
         before = net.counters() if net else None
         with LocalSwarm(workdir, config=preset) as swarm:
             # every peer starts at once, through a DHT node that trains nothing
             swarm.start_bootstrap("boot", host=net.addr(0) if net else "127.0.0.1", wrapper=net.prefix(0) if net else ())
-            for i, peer in enumerate(names):
-                values = {**overrides, **(per_peer or {}).get(i, {})}
+            for i, (peer, values) in enumerate(zip(names, peer_values)):
                 if net is not None:
                     values["host_maddrs"] = f"/ip4/{net.addr(i)}/tcp/0"
                 args = [a for k, v in values.items() for a in _flag(k, v)]
@@ -100,8 +100,7 @@ class Bench:
                 raise RuntimeError(f"{name}: peers exited with {failed}: {swarm.stderr(peer, 600)}")
             records = {peer: read_metrics(swarm.peers[peer].log_dir / "metrics.jsonl") for peer in names}
         after = net.counters() if net else None
-        slowdowns = {peer: float({**overrides, **(per_peer or {}).get(i, {})}.get("slowdown", 1.0))
-                     for i, peer in enumerate(names)}
+        slowdowns = {peer: float(values.get("slowdown", 1.0)) for peer, values in zip(names, peer_values)}
         return summarize_swarm(name, records, before, after, slowdowns)
 
     def ddp(self, name: str, *, steps: int, overrides: dict, net: Namespaces | None = None) -> dict:

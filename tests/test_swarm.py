@@ -35,8 +35,12 @@ def outer_steps(swarm, name):
 
 
 def test_three_peers_average_and_loss_falls(swarm):
-    swarm.wait_for(lambda: all(len(swarm.events(n, "outer")) >= 3 for n in "abc"), timeout=150,
-                   what="3 outer steps on every peer")
+    def trained(name: str) -> bool:  # under load the first rounds can carry a lone peer's long solo run
+        outer = swarm.events(name, "outer")
+        return len(outer) >= 3 and outer[-1]["eval_loss"] < RANDOM_INIT_LOSS - 1.0
+
+    swarm.wait_for(lambda: all(trained(n) for n in "abc"), timeout=150,
+                   what="3 outer steps and an eval loss 1 below random init on every peer")
     for name in "abc":
         outer = swarm.events(name, "outer")
         assert all(r["group_size"] >= 2 for r in outer), outer
