@@ -2,6 +2,9 @@
 
     p2pdiloco join --config peers/tiny-cpu.toml --maddrs-file a.txt            # start a swarm
     p2pdiloco join --config peers/tiny-cpu.toml --initial-peers /ip4/.../p2p/...  # join one
+    p2pdiloco status --initial-peers /ip4/.../p2p/... --run-id tiny               # live peers
+    p2pdiloco monitor --initial-peers /ip4/.../p2p/... --run-id tiny --port 8080  # live dashboard
+    p2pdiloco plot runs/a runs/b -o swarm.png                                     # metrics plots
 
 Every config key is also a flag (`inner_steps` -> `--inner-steps`); flags override the preset.
 Bad input (a flag, a config key, a data path, a multiaddr, unreachable initial peers) gives one
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import logging
 import os
@@ -52,7 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--quiet", action="store_true", help="No status lines on stderr.")
     join.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                       help="Level of library logs on stderr (hivemind included).")
+    # the operator commands live in their own modules: each adds its flags and runs
+    for name, module, help in OPERATOR_COMMANDS:
+        importlib.import_module(module).add_arguments(sub.add_parser(name, help=help))
     return parser
+
+
+OPERATOR_COMMANDS = [
+    ("status", "p2pdiloco.status", "Print the live peers of a run (joins the DHT as a client only)."),
+    ("monitor", "p2pdiloco.monitor", "Serve a live web dashboard of a run."),
+    ("plot", "p2pdiloco.plot", "Plot the metrics of one or more --log-dir directories into a PNG."),
+]
 
 
 def resolve_config(args: argparse.Namespace) -> Config:
@@ -101,7 +115,11 @@ def cmd_join(args: argparse.Namespace) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        code = cmd_join(args) if args.command == "join" else EXIT_USAGE
+        if args.command == "join":
+            code = cmd_join(args)
+        else:
+            module = next(m for name, m, _ in OPERATOR_COMMANDS if name == args.command)
+            code = importlib.import_module(module).run(args)
     except ConfigError as e:
         print(f"p2pdiloco: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -56,6 +56,9 @@ class Config:
     block_size: int = _f(64, "Context length in bytes.")
     vocab_size: int = _f(256, "Vocabulary size; 256 for the byte-level tokenizer.")
     dropout: float = _f(0.0, "Dropout probability inside the model.")
+    hf_config: str = _f("", "A Hugging Face transformers model config (JSON file; relative paths are read next to "
+                            "the preset) built with AutoModelForCausalLM.from_config instead of the built-in GPT; "
+                            "needs the hf extra. No hub download.")
 
     # --- data ----------------------------------------------------------------------------
     data: str = _f("", "Text file or directory of .txt files to train on; empty = the bundled Shakespeare corpus.")
@@ -121,6 +124,9 @@ class Config:
     max_inner_steps: int = _f(0, "Stop cleanly after this many local inner steps (0 = no limit).")
     log_dir: str = _f("", "Directory for metrics.jsonl and the resolved config.")
     log_interval: float = _f(5.0, "Seconds between status lines and inner metrics.")
+    tensorboard_dir: str = _f("", "Also write the metrics as TensorBoard scalars here (needs the tensorboard extra).")
+    wandb_project: str = _f("", "Also send the metrics to this Weights & Biases project (needs the wandb extra; "
+                                "WANDB_MODE=offline keeps them local).")
     eval_batches: int = _f(4, "Held-out batches behind each evaluation of the anchor.")
     eval_every: int = _f(1, "Evaluate the anchor every this many outer steps (and at the end); eval costs "
                             "eval_batches forward passes.")

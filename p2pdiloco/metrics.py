@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 
 class Metrics:
-    def __init__(self, log_dir: Optional[str], peer: str, quiet: bool = False):
+    def __init__(self, log_dir: Optional[str], peer: str, quiet: bool = False, *, tensorboard_dir: str = "",
+                 wandb_project: str = "", run_config: Optional[dict] = None):
         self.peer = peer
         self.quiet = quiet
         self._file = None

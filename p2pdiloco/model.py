@@ -91,3 +91,13 @@ def load_flat_(model: nn.Module, flat: torch.Tensor) -> None:
 
 def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def build_model(cfg) -> nn.Module:
+    """The model a config describes: the built-in GPT, or a Hugging Face model from `hf_config`.
+    Either way `model(idx, targets)` returns the mean next-token cross-entropy."""
+    if cfg.hf_config:
+        from p2pdiloco.hf import build_hf_model  # transformers is an optional extra
+
+        return build_hf_model(cfg)
+    return GPT.from_config(cfg)

@@ -27,7 +27,7 @@ from p2pdiloco import checkpoint, diloco, state, swarm
 from p2pdiloco.averaging import DilocoAverager, RoundOutcome, RoundRunner, contribution_weight
 from p2pdiloco.data import load_data
 from p2pdiloco.metrics import Metrics
-from p2pdiloco.model import GPT, flat_params, load_flat_, num_params
+from p2pdiloco.model import build_model, flat_params, load_flat_, num_params
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,10 @@ class Peer:
         self.dht = self.averager = self.rounds = self.metrics = None
         self.pending = None
         self._progress_reading = None
+        self.maddrs: list[str] = []
+        self.last_group_size = 0  # of the last applied round; with the counters below, for `status`/`monitor`
+        self.rounds_applied = self.rounds_failed = 0
+        self.last_eval_loss = None
 
     # ----------------------------------------------------------------------------- setup
 
@@ -84,6 +88,7 @@ class Peer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.device = pick_device(cfg.device)
+        self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         self.resume = None
         if cfg.checkpoint_dir:
             checkpoint.ensure_writable(cfg.checkpoint_dir)
@@ -94,8 +99,8 @@ class Peer:
                 self._progress(f"p2pdiloco: resuming from {path} (outer step {self.resume['outer_step']})")
         self.data = load_data(cfg, progress=self._progress)
         torch.manual_seed(cfg.seed)  # every peer starts from the same init
-        self.model = GPT.from_config(cfg).to(self.device)
-        self.eval_model = GPT.from_config(cfg).to(self.device).eval()
+        self.model = build_model(cfg).to(self.device)
+        self.eval_model = build_model(cfg).to(self.device).eval()
         self.numel = num_params(self.model)
         self.anchor = flat_params(self.model)
         self.momentum = torch.zeros_like(self.anchor)
@@ -110,10 +115,12 @@ class Peer:
 
         self.dht = swarm.start_dht(cfg)
         self.peer_id = str(self.dht.peer_id)
-        self.metrics = Metrics(cfg.log_dir or None, self.peer_id, quiet=self.quiet)
+        self.metrics = Metrics(cfg.log_dir or None, self.peer_id, quiet=self.quiet, tensorboard_dir=cfg.tensorboard_dir,
+                               wandb_project=cfg.wandb_project, run_config=cfg.to_dict())
         if cfg.maddrs_file:
             swarm.write_maddrs(self.dht, cfg.maddrs_file)
-        self._progress(f"p2pdiloco: peer {self.peer_id} up at {' '.join(swarm.visible_maddrs(self.dht))}")
+        self.maddrs = swarm.visible_maddrs(self.dht)
+        self._progress(f"p2pdiloco: peer {self.peer_id} up at {' '.join(self.maddrs)}")
         swarm.check_run_config(self.dht, cfg)
         self._announced = time.monotonic()
         # each peer reads the corpus in its own order
@@ -334,7 +341,9 @@ class Peer:
             self._announced = time.monotonic()
         swarm.publish_progress(self.dht, self.cfg, {
             "outer_step": self.outer_step, "inner_step": self.inner_step, "loss": self.last_loss,
-            "tokens_per_s": tokens_per_s, "device": str(self.device), "time": time.time()})
+            "tokens_per_s": tokens_per_s, "tokens": self.tokens, "device": self.device_name,
+            "maddrs": self.maddrs[:4], "group_size": self.last_group_size, "rounds_applied": self.rounds_applied,
+            "rounds_failed": self.rounds_failed, "eval_loss": self.last_eval_loss, "time": time.time()})
         self._refresh_swarm_outer_step()
 
     def _check_swarm_outer_step(self) -> None:
@@ -396,6 +405,7 @@ class Peer:
         if not outcome.ok:
             self.metrics.log("round_failed", reason=outcome.reason, outer_step=self.outer_step,
                              round_s=outcome.round_s)
+            self.rounds_failed += 1
             logger.info(f"round discarded: {outcome.reason}")
             return False
         members = list(outcome.members.values())
@@ -428,10 +438,15 @@ class Peer:
         if not self.cfg.client_mode:
             self.averager.state_sharing_priority = float(self.outer_step)
         report = outcome.report
+        self.last_group_size = len(members)
+        self.rounds_applied += 1
+        if self.outer_step % self.cfg.eval_every == 0:
+            self.last_eval_loss = eval_loss = self._evaluate()
+        else:
+            eval_loss = None
         self.metrics.log("outer", outer_step=self.outer_step, group_size=len(members), share=share, weight=weight,
                          tokens=tokens, staleness=age, round_s=outcome.round_s, bytes_sent=report.bytes_sent,
-                         bytes_recv=report.bytes_recv, anchor_spread=spread,
-                         eval_loss=self._evaluate() if self.outer_step % self.cfg.eval_every == 0 else None,
+                         bytes_recv=report.bytes_recv, anchor_spread=spread, eval_loss=eval_loss,
                          diverged_members=diverged)
         if self.outer_step % self.cfg.checkpoint_every == 0:
             self._save_checkpoint()

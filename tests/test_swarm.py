@@ -47,9 +47,12 @@ def test_three_peers_average_and_loss_falls(swarm):
         assert all(r["bytes_sent"] > 0 and r["bytes_recv"] > 0 for r in outer[1:]), outer
         # anchors in a round agree (sampled values, relative distance), or the odd ones out resync
         assert all(r["anchor_spread"] < 1e-3 or r["diverged_members"] > 0 for r in outer), outer
+        # b and c start from a's state when they come up late under load, so compare with random init
         inner = swarm.events(name, "inner")
-        assert inner[-1]["loss"] < inner[0]["loss"] - 0.5, (inner[0]["loss"], inner[-1]["loss"])
+        assert inner[-1]["loss"] < RANDOM_INIT_LOSS - 2.0, inner[-1]
         assert outer[-1]["eval_loss"] < RANDOM_INIT_LOSS - 1.0
+    inner_a = swarm.events("a", "inner")  # a started the swarm: its training loss fell from near random init
+    assert inner_a[-1]["loss"] < inner_a[0]["loss"] - 0.5, (inner_a[0]["loss"], inner_a[-1]["loss"])
     # peers at the same outer step evaluate the same anchor: equal eval losses
     by_step = {}
     for name in "abc":
