@@ -54,6 +54,18 @@ logger = logging.getLogger(__name__)
 ABSTAIN = "abstain"  # verdict of a member whose own contribution was excluded: it does not apply, others may
 
 
+def _lonely_round(record: logging.LogRecord) -> bool:
+    return "could not find a group" not in record.getMessage()
+
+
+def quiet_lonely_rounds() -> None:
+    """A round with nobody else in the window is normal here (we report it as a round_failed
+    event); keep hivemind from logging it as an error with a traceback."""
+    averager_logger = logging.getLogger("hivemind.averaging.averager")
+    if _lonely_round not in averager_logger.filters:
+        averager_logger.addFilter(_lonely_round)
+
+
 @dataclass
 class RoundReport:
     """What one member saw of its own all-reduce, measured inside the averager process."""

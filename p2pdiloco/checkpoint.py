@@ -5,7 +5,8 @@ A file is `MAGIC + sha256(payload) + payload` (payload = torch.save of a dict of
 values, loaded with `weights_only=True`, so a checkpoint cannot run code). Writes go to a temp
 file, are fsynced and renamed into place: a crash mid-write leaves the previous checkpoint intact.
 The newest `keep` checkpoints are kept; loading falls back to the previous one when the newest is
-truncated or corrupt.
+truncated or corrupt. Writes and reads go in chunks under a byte progress bar (shown on a terminal
+when they take more than a moment; see progress.py).
 
     >>> save_checkpoint(ckpt_dir, payload, outer_step=12)
     >>> payload, path, skipped = load_latest(ckpt_dir, cfg)   # (None, None, []) in an empty dir
@@ -23,10 +24,13 @@ from typing import Optional
 
 import torch
 
+from p2pdiloco.progress import bar
+
 logger = logging.getLogger(__name__)
 
 MAGIC = b"P2PDLCK1"
 NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
+CHUNK = 4 << 20  # bytes per write/read between progress-bar updates
 
 
 class CheckpointError(ValueError):
@@ -63,8 +67,11 @@ def save_checkpoint(ckpt_dir: str | Path, payload: dict, *, outer_step: int, kee
     final = d / f"ckpt-{outer_step:08d}.pt"
     tmp = d / f"{final.name}.tmp"
     try:
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + hashlib.sha256(body).digest() + body)
+        with open(tmp, "wb") as f, bar(f"p2pdiloco: writing {final.name}", total=len(body)) as b:
+            f.write(MAGIC + hashlib.sha256(body).digest())
+            view = memoryview(body)
+            for start in range(0, len(view), CHUNK):
+                b.update(f.write(view[start:start + CHUNK]))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -83,7 +90,7 @@ def read_checkpoint(path: str | Path) -> dict:
     """Read and verify one checkpoint file; CheckpointError says what is wrong with it."""
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        raw = _read_bytes(path)
     except OSError as e:
         raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
     if len(raw) < len(MAGIC) + 32 or not raw.startswith(MAGIC):
@@ -98,6 +105,18 @@ def read_checkpoint(path: str | Path) -> dict:
     if not isinstance(payload, dict) or "anchor" not in payload:
         raise CheckpointError(f"checkpoint {path} has no anchor")
     return payload
+
+
+def _read_bytes(path: Path) -> bytearray:
+    """The whole file, read in chunks under a byte progress bar."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        out = bytearray()
+        with bar(f"p2pdiloco: reading {path.name}", total=size) as b:
+            while chunk := f.read(CHUNK):
+                out += chunk
+                b.update(len(chunk))
+    return out
 
 
 def load_latest(ckpt_dir: str | Path, cfg) -> tuple[Optional[dict], Optional[Path], list[str]]:

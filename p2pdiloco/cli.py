@@ -81,19 +81,18 @@ def _setup_logging(level: str) -> None:
     # forked from this one and inherit the level
     logging.basicConfig(level=getattr(logging, level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("hivemind").setLevel(getattr(logging, level.upper()))
-    # a round with nobody else in the window is normal here; we report it as a round_failed event
-    logging.getLogger("hivemind.averaging.averager").addFilter(
-        lambda record: "could not find a group" not in record.getMessage())
 
 
 def cmd_join(args: argparse.Namespace) -> int:
     from p2pdiloco.checkpoint import CheckpointError
     from p2pdiloco.data import DataError
     from p2pdiloco.peer import Peer
+    from p2pdiloco.progress import configure
     from p2pdiloco.swarm import SwarmError
 
     cfg = resolve_config(args)
     _setup_logging(args.log_level)
+    configure(quiet=args.quiet)
     try:
         if cfg.log_dir:
             Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,8 @@ and the metrics that report it.
     20
 
 Keys that must agree across a swarm (the model shape) go into `fingerprint()`, which is part of
-the DHT prefix: peers with another model config or another `run_id` never meet.
+the DHT prefix: peers with another model config or another `run_id` never meet. With `hf_config`
+the model is a Hugging Face config (JSON) and the fingerprint hashes its content, not its path.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -36,6 +38,9 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
         return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
 
+
+# Fields that name files or directories: a leading ~ is the user's home.
+PATH_KEYS = ("data", "hf_config", "log_dir", "maddrs_file", "identity_path", "checkpoint_dir", "tensorboard_dir")
 
 # Fields that define the model's shape: peers must agree on them to average together.
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
@@ -59,6 +64,8 @@ class Config:
     hf_config: str = _f("", "A Hugging Face transformers model config (JSON file; relative paths are read next to "
                             "the preset) built with AutoModelForCausalLM.from_config instead of the built-in GPT; "
                             "needs the hf extra. No hub download.")
+    model_signature: str = _f("", "Set by the Python API (p2pdiloco.DiLoCo): a hash of the wrapped module's parameter "
+                                  "names and shapes, part of the run's fingerprint.")
 
     # --- data ----------------------------------------------------------------------------
     data: str = _f("", "Text file or directory of .txt files to train on; empty = the bundled Shakespeare corpus.")
@@ -178,6 +185,11 @@ class Config:
             for addr in value:
                 check_multiaddr(addr, key)
         need(len(self.host_maddrs) > 0, "host_maddrs must not be empty")
+        for key in PATH_KEYS:  # presets may name files under ~ (the volunteer's identity and checkpoints)
+            if getattr(self, key):
+                setattr(self, key, os.path.expanduser(getattr(self, key)))
+        # the parsed HF config: read once, so the fingerprint and the model come from the same bytes
+        self._hf_json = _read_hf_json(self.hf_config, self.vocab_size, self.block_size) if self.hf_config else None
 
     # ---------------------------------------------------------------------------------------
 
@@ -195,7 +207,11 @@ class Config:
             except tomllib.TOMLDecodeError as e:
                 raise ConfigError(f"bad TOML in {path}: {e}") from None
             values.update(_flatten(raw, str(path)))
+        # a relative hf_config path is read next to the preset that names it, or from the cwd for a flag
+        base = Path.cwd() if "hf_config" in (overrides or {}) else Path(path or ".").parent
         values.update(overrides or {})
+        if isinstance(values.get("hf_config"), str) and values["hf_config"]:
+            values["hf_config"] = str(_expand(values["hf_config"], base=base))
         known = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - set(known))
         if unknown:
@@ -214,9 +230,20 @@ class Config:
     def __repr__(self) -> str:  # never show the secret in a traceback or a log line
         return f"Config({', '.join(f'{k}={v!r}' for k, v in self.to_dict().items())})"
 
+    @property
+    def hf_json(self) -> dict[str, Any] | None:
+        """The `hf_config` file's JSON object (a copy), or None for the built-in GPT."""
+        return None if self._hf_json is None else json.loads(json.dumps(self._hf_json))
+
     def fingerprint(self) -> str:
         """Hash of what peers must share to average together: run id, model shape and the wire format."""
         shared = {"run_id": self.run_id, **{k: getattr(self, k) for k in MODEL_KEYS}}
+        if self._hf_json is not None:  # the HF config replaces the GPT's shape keys; data shape stays
+            canonical = json.dumps(self._hf_json, sort_keys=True, separators=(",", ":"))
+            shared = {"run_id": self.run_id, "vocab_size": self.vocab_size, "block_size": self.block_size,
+                      "hf_config": hashlib.sha256(canonical.encode()).hexdigest()}
+        if self.model_signature:  # a caller's own module (the Python API): its shapes, not the GPT's keys
+            shared = {"run_id": self.run_id, "model_signature": self.model_signature}
         if self.compression in ("int8", "int4") or self.outer_apply != "group":  # fp16 and fp32 interoperate
             shared.update(compression=self.compression, outer_apply=self.outer_apply)
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:12]
@@ -241,6 +268,33 @@ def check_multiaddr(addr: str, what: str = "multiaddr") -> None:
         Multiaddr(addr)
     except Exception as e:  # the library raises several unrelated types
         raise ConfigError(f"malformed {what} {addr!r}: {e}") from None
+
+
+def _expand(value: str, *, base: Path) -> Path:
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else (base / path).absolute()
+
+
+def _read_hf_json(path: str, vocab_size: int, block_size: int) -> dict[str, Any]:
+    """Read and check an `hf_config` file without importing transformers (hf.py checks the rest)."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"hf_config file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read hf_config {path}: {getattr(e, 'strerror', None) or e}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"bad JSON in hf_config {path}: {e}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
+        raise ConfigError(f'hf_config {path} must be a JSON object with a "model_type" string')
+    if "vocab_size" in raw and raw["vocab_size"] != vocab_size:
+        raise ConfigError(f"hf_config {path}: vocab_size is {raw['vocab_size']!r}, the byte data needs "
+                          f"vocab_size = {vocab_size}")
+    max_pos = raw.get("max_position_embeddings")
+    if max_pos is not None and not (isinstance(max_pos, int) and max_pos >= block_size):
+        raise ConfigError(f"hf_config {path}: max_position_embeddings ({max_pos!r}) must be >= block_size "
+                          f"({block_size})")
+    return raw
 
 
 def _flatten(raw: dict[str, Any], where: str) -> dict[str, Any]:

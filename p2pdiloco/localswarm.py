@@ -97,7 +97,7 @@ class LocalSwarm:
         if join:
             names = [join] if isinstance(join, str) else list(join)
             cmd += ["--initial-peers", *[self.maddr(n) for n in names]]
-        return self._spawn(name, cmd, args)
+        return self.spawn(name, cmd, args)
 
     def start_bootstrap(self, name: str = "boot", *, host: str = "127.0.0.1", wrapper: Sequence[str] = ()
                         ) -> PeerProcess:
@@ -105,10 +105,11 @@ class LocalSwarm:
         join through it (the benchmarks want all peers to begin together)."""
         cmd = [*wrapper, sys.executable, "-m", "p2pdiloco.localswarm", "bootstrap", f"/ip4/{host}/tcp/0",
                str(self.workdir / f"{name}.maddrs")]
-        return self._spawn(name, cmd, ())
+        return self.spawn(name, cmd, ())
 
-    def _spawn(self, name: str, cmd: list, args: Sequence[str]) -> PeerProcess:
-        """Run cmd as `name` in its own process group, stdout and stderr appended to name.stderr."""
+    def spawn(self, name: str, cmd: list, args: Sequence[str] = ()) -> PeerProcess:
+        """Run cmd as `name` in its own process group, stdout and stderr appended to name.stderr; its
+        log dir is workdir/name and its multiaddrs file workdir/name.maddrs (any program may use them)."""
         if name in self.peers:
             self.reap(self.peers[name])
         maddrs_file = self.workdir / f"{name}.maddrs"

@@ -12,6 +12,13 @@ Events (the contract documented in the README):
     resume       restarted from a checkpoint: outer_step, inner_step
     checkpoint_failed  a checkpoint write failed (the previous one is kept): reason
     final        at a clean stop: inner_step, outer_step, eval_loss, tokens, compute_s, wall_s, final_wait_s
+
+The inner and outer scalars also go to TensorBoard and W&B when asked for (sinks.py). A sink that
+fails while training logs one warning and is dropped; metrics.jsonl and training go on.
+
+    >>> metrics = Metrics("runs/a", peer_id, tensorboard_dir="runs/tb")
+    >>> metrics.log("inner", inner_step=120, outer_step=2, loss=2.31, ...)
+    >>> metrics.close()
 """
 
 from __future__ import annotations
@@ -35,18 +42,45 @@ class Metrics:
         self.quiet = quiet
         self._file = None
         self._lock = threading.Lock()  # the round thread logs too
+        self._sinks = []
+        if tensorboard_dir or wandb_project:
+            from p2pdiloco.sinks import open_sinks  # imports tensorboard / wandb: only when asked for
+
+            self._sinks = open_sinks(peer=peer, tensorboard_dir=tensorboard_dir, wandb_project=wandb_project,
+                                     run_config=run_config, log_dir=log_dir)
         if log_dir:
-            Path(log_dir).mkdir(parents=True, exist_ok=True)
-            self._file = open(Path(log_dir) / "metrics.jsonl", "a", buffering=1)
+            try:
+                Path(log_dir).mkdir(parents=True, exist_ok=True)
+                self._file = open(Path(log_dir) / "metrics.jsonl", "a", buffering=1)
+            except BaseException:
+                self.close()
+                raise
 
     def log(self, event: str, **fields: Any) -> None:
-        if self._file is None:
+        if self._file is None and not self._sinks:
             return
         record = {"event": event, "time": round(time.time(), 3), "peer": self.peer}
         record.update({k: _clean(v) for k, v in fields.items()})
         with self._lock:
             if self._file is not None:
                 self._file.write(json.dumps(record) + "\n")
+            if self._sinks:
+                self._to_sinks(event, record)
+
+    def _to_sinks(self, event: str, record: dict) -> None:
+        from p2pdiloco.sinks import scalars
+
+        found = scalars(event, record)
+        if found is None:
+            return
+        step, values = found
+        for sink in list(self._sinks):
+            try:
+                sink.write(event, step, values, walltime=record["time"])
+            except Exception as e:  # a full disk, a dead W&B service: the run matters more than the sink
+                logger.warning(f"the {sink.name} sink failed and is dropped (metrics.jsonl goes on): {e!r}")
+                self._sinks.remove(sink)
+                _close_quietly(sink)
 
     def status(self, line: str) -> None:
         if not self.quiet:
@@ -57,6 +91,16 @@ class Metrics:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+            sinks, self._sinks = self._sinks, []
+        for sink in sinks:
+            _close_quietly(sink)
+
+
+def _close_quietly(sink) -> None:
+    try:
+        sink.close()
+    except Exception as e:  # closing is best effort: the peer is stopping or already dropped it
+        logger.warning(f"closing the {sink.name} sink failed: {e!r}")
 
 
 def _clean(value: Any) -> Any:

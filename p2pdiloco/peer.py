@@ -11,6 +11,7 @@ outer step (or discards the round) and goes on.
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import logging
 import math
 import os
@@ -19,14 +20,15 @@ import sys
 import threading
 import time
 import zlib
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from p2pdiloco import checkpoint, diloco, state, swarm
-from p2pdiloco.averaging import DilocoAverager, RoundOutcome, RoundRunner, contribution_weight
+from p2pdiloco.averaging import DilocoAverager, RoundOutcome, RoundRunner, contribution_weight, quiet_lonely_rounds
 from p2pdiloco.data import load_data
 from p2pdiloco.metrics import Metrics
+from p2pdiloco.ranks import Ranks
 from p2pdiloco.model import build_model, flat_params, load_flat_, num_params
 
 logger = logging.getLogger(__name__)
@@ -57,9 +59,12 @@ def pick_device(name: str) -> torch.device:
 
 
 class Peer:
-    def __init__(self, cfg, *, quiet: bool = False, stop_event: Optional[threading.Event] = None):
+    def __init__(self, cfg, *, quiet: bool = False, stop_event: Optional[threading.Event] = None,
+                 model: Optional[torch.nn.Module] = None, inner_opt: Optional[torch.optim.Optimizer] = None,
+                 eval_fn: Optional[Callable[[torch.nn.Module], float]] = None, handle_signals: bool = True):
+        """model/inner_opt/eval_fn: a caller's own (the Python API); by default the config's model,
+        AdamW, and the held-out loss of our corpus. handle_signals: SIGINT/SIGTERM stop the loop."""
         self.cfg = cfg
-        self.quiet = quiet
         self.stop_event = stop_event or threading.Event()
         self.state_lock = threading.Lock()  # guards anchor, momentum, outer_step (read by joiners' downloads)
         self.outer_step = 0
@@ -67,6 +72,13 @@ class Peer:
         self.dht = self.averager = self.rounds = self.metrics = None
         self.pending = None
         self._progress_reading = None
+        self.model, self.opt, self.eval_fn = model, inner_opt, eval_fn
+        self.handle_signals = handle_signals
+        # torchrun: DDP inside this peer, rank 0 talks to the swarm (a caller's own model brings its own)
+        self.ranks = Ranks.from_env() if model is None else None
+        self.leader = self.ranks is None or self.ranks.rank == 0
+        self.quiet = quiet or not self.leader
+        self._params_changed = False  # the leader rewrote the local weights: the other ranks must copy them
         self.maddrs: list[str] = []
         self.last_group_size = 0  # of the last applied round; with the counters below, for `status`/`monitor`
         self.rounds_applied = self.rounds_failed = 0
@@ -87,32 +99,46 @@ class Peer:
         cfg = self.cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.device = pick_device(cfg.device)
+        own_model = self.model is None
+        if own_model:
+            self.device = self.ranks.pick_device(cfg.device) if self.ranks else pick_device(cfg.device)
+        else:
+            self.device = next(self.model.parameters()).device
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        if self.ranks:
+            self.ranks.init(self.device)
         self.resume = None
-        if cfg.checkpoint_dir:
+        if cfg.checkpoint_dir and self.leader:
             checkpoint.ensure_writable(cfg.checkpoint_dir)
             self.resume, path, problems = checkpoint.load_latest(cfg.checkpoint_dir, cfg)
             for problem in problems:
                 self._progress(f"p2pdiloco: skipping a bad checkpoint: {problem}")
             if self.resume is not None:
                 self._progress(f"p2pdiloco: resuming from {path} (outer step {self.resume['outer_step']})")
-        self.data = load_data(cfg, progress=self._progress)
-        torch.manual_seed(cfg.seed)  # every peer starts from the same init
-        self.model = build_model(cfg).to(self.device)
-        self.eval_model = build_model(cfg).to(self.device).eval()
+        self.eval_set = None
+        if own_model:
+            self.data = load_data(cfg, progress=self._progress)
+            torch.manual_seed(cfg.seed)  # every peer starts from the same init
+            self.model = build_model(cfg).to(self.device)
+            self.eval_model = build_model(cfg).to(self.device).eval()
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.inner_lr, weight_decay=cfg.weight_decay,
+                                         betas=(0.9, 0.95))
+            self.eval_set = self.data.eval_batches(cfg.batch_size, cfg.eval_batches)
+        else:
+            self.eval_model = copy.deepcopy(self.model).eval() if self.eval_fn is not None else None
         self.numel = num_params(self.model)
         self.anchor = flat_params(self.model)
         self.momentum = torch.zeros_like(self.anchor)
         self.digest_idx = diloco.digest_indices(self.numel)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.inner_lr, weight_decay=cfg.weight_decay,
-                                     betas=(0.9, 0.95))
-        self.eval_set = self.data.eval_batches(cfg.batch_size, cfg.eval_batches)
         self.autocast = self.device.type == "cuda"
         self.tokens = 0
         if self.resume is not None:
             self._restore(self.resume)
+        if not self.leader:  # the other ranks of a torchrun peer train; only rank 0 joins the swarm
+            self.metrics = Metrics(None, f"rank{self.ranks.rank}", quiet=True)
+            return
 
+        quiet_lonely_rounds()
         self.dht = swarm.start_dht(cfg)
         self.peer_id = str(self.dht.peer_id)
         self.metrics = Metrics(cfg.log_dir or None, self.peer_id, quiet=self.quiet, tensorboard_dir=cfg.tensorboard_dir,
@@ -123,13 +149,19 @@ class Peer:
         self._progress(f"p2pdiloco: peer {self.peer_id} up at {' '.join(self.maddrs)}")
         swarm.check_run_config(self.dht, cfg)
         self._announced = time.monotonic()
-        # each peer reads the corpus in its own order
-        self.gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + zlib.crc32(self.peer_id.encode()))
         slots = cfg.target_group_size if cfg.outer_apply == "per_contribution" else 1
         self.averager = DilocoAverager([torch.zeros(self.numel * slots)], self.dht, cfg=cfg,
                                        state_fn=self.shared_state, slots=slots)
         self.rounds = RoundRunner(self.averager, self.dht, cfg)
-        self._install_signal_handlers()  # again: hivemind's averager sets SIGINT to ignored when it starts
+        # again: hivemind's averager sets SIGINT to ignored when it starts
+        if self.handle_signals:
+            self._install_signal_handlers()
+
+    def _data_order(self) -> torch.Generator:
+        """Each peer (each rank of a torchrun peer) reads the corpus in its own order."""
+        peer_id = self.ranks.broadcast_object(getattr(self, "peer_id", None)) if self.ranks else self.peer_id
+        salt = peer_id if self.leader else f"{peer_id}/rank{self.ranks.rank}"
+        return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + zlib.crc32(salt.encode()))
 
     def _install_signal_handlers(self) -> None:
         """SIGINT/SIGTERM ask the loop to stop cleanly; a second one interrupts at once."""
@@ -211,6 +243,7 @@ class Peer:
         local = flat_params(self.model)
         base = self._snapshot if keep_local and self._snapshot is not None else old_anchor
         load_flat_(self.model, diloco.merge_local(self.anchor, local, base) if keep_local else self.anchor)
+        self._params_changed = True
         self.tokens_since_anchor = tokens_kept if keep_local else 0
         self.steps_since_round = self.cfg.inner_steps if keep_local else 0
         if not self.cfg.client_mode:
@@ -220,36 +253,52 @@ class Peer:
 
     def run(self) -> None:
         try:
-            self._install_signal_handlers()
+            if self.handle_signals:
+                self._install_signal_handlers()
             self._snapshot = None
             self._setup()
-            self._join()
+            if self.leader:
+                self._join()
             self._train()
         finally:
             self.close()
 
-    def _train(self) -> None:
-        cfg = self.cfg
-        tokens_per_step = cfg.batch_size * cfg.block_size
+    def start(self) -> None:
+        """Set up and join the swarm without running our own loop (the Python API drives the
+        steps through `after_step`)."""
+        self._snapshot = None
+        self._setup()
+        self._join()
+        self.begin_training()
+
+    def begin_training(self) -> None:
         self.tokens_since_anchor = 0  # tokens behind the current pseudo-gradient
         self.steps_since_round = 0
         self.swarm_outer_step = self.outer_step
         self.swarm_size = 1
         self._progress_reading = None
         self.pending = None  # the round in flight: (future, snapshot, tokens, weight, age)
-        t_start = last_log = time.monotonic()
+        self.t_start = self._last_log = self._last_step = time.monotonic()
         self.compute_s = 0.0  # inside forward, backward and the optimizer step: the utilization numerator
-        loss_sum, loss_n, tokens_at_log = torch.zeros((), device=self.device), 0, 0
+        self._loss_sum, self._loss_n, self._tokens_at_log = 0.0, 0, 0
         self.last_loss = math.nan
-        self.model.train()
 
-        last_iteration = time.monotonic()
-        while not self._should_stop(t_start):
-            # a gap longer than a round could take: we were frozen (SIGSTOP, suspend, swap); the
-            # swarm moved on, so look at where it is before contributing anything
-            if time.monotonic() - last_iteration > cfg.allreduce_timeout:
-                self._check_swarm_outer_step()
-            last_iteration = time.monotonic()
+    def _train(self) -> None:
+        cfg = self.cfg
+        self.begin_training()
+        tokens_per_step = cfg.batch_size * cfg.block_size * (self.ranks.world_size if self.ranks else 1)
+        self.gen = self._data_order()
+        model = self.model
+        if self.ranks:  # gradients averaged across this peer's ranks every step; starts from rank 0's weights
+            model = self.ranks.wrap(self.model)
+            self.ranks.share_optimizer_state(self.opt, resumed=self.resume is not None)
+        self.model.train()
+        while True:
+            stop = self._should_stop(self.t_start) if self.leader else False
+            if self.ranks:
+                stop = self._sync_ranks(stop)
+            if stop:
+                break
             # --- inner step ------------------------------------------------------------
             position = self.outer_step * cfg.inner_steps + self.steps_since_round
             lr = diloco.inner_lr_at(position, inner_lr=cfg.inner_lr, warmup_steps=cfg.warmup_steps,
@@ -259,7 +308,7 @@ class Peer:
             x, y = (t.to(self.device, non_blocking=True) for t in self.data.train_batch(cfg.batch_size, self.gen))
             t_compute = time.perf_counter()
             with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                loss = self.model(x, y)
+                loss = model(x, y)
             loss.backward()
             if cfg.grad_clip:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
@@ -271,58 +320,98 @@ class Peer:
             self.compute_s += step_s
             if cfg.slowdown > 1:
                 time.sleep(step_s * (cfg.slowdown - 1))
-            self.inner_step += 1
-            self.steps_since_round += 1
-            self.tokens += tokens_per_step
-            self.tokens_since_anchor += tokens_per_step
-            loss_sum += loss.detach()
-            loss_n += 1
+            if self.leader:
+                self.after_step(loss.detach(), tokens_per_step)
+            else:
+                self.steps_since_round += 1
+        self.finish_training()
 
-            # --- outer step: a round came back ---------------------------------------
+    def after_step(self, loss: Optional[torch.Tensor], tokens: int) -> bool:
+        """Count one inner step (its loss, its tokens); apply a round that came back; every
+        inner_steps steps hand the pseudo-gradient to a background round. True when an outer step
+        was applied (the local weights moved)."""
+        cfg = self.cfg
+        # a gap longer than a round could take: we were frozen (SIGSTOP, suspend, swap); the swarm
+        # moved on, so look at where it is before contributing anything
+        now = time.monotonic()
+        if now - self._last_step > cfg.allreduce_timeout:
+            self._check_swarm_outer_step()
+        self._last_step = now
+        self.inner_step += 1
+        self.steps_since_round += 1
+        self.tokens += tokens
+        self.tokens_since_anchor += tokens
+        if loss is not None:
+            self._loss_sum = self._loss_sum + loss  # a tensor on the device: no sync per step
+            self._loss_n += 1
+
+        # --- outer step: a round came back -----------------------------------------
+        applied = False
+        if self.pending is not None and self.pending[0].done():
+            pending, self.pending = self.pending, None
+            applied = self._finish_round(pending)
+
+        # --- every inner_steps steps: hand the pseudo-gradient to a background round ----
+        if self.pending is None and self.steps_since_round >= cfg.inner_steps:
+            self.pending = self._start_round()
+            if cfg.sync_rounds:
+                applied = self._wait_round_sync(self.t_start) or applied
+
+        # --- every log interval: status line, metrics, progress record -------------------
+        now = time.monotonic()
+        if now - self._last_log >= cfg.log_interval:
+            self.last_loss = float(self._loss_sum) / self._loss_n if self._loss_n else math.nan
+            tps = (self.tokens - self._tokens_at_log) / (now - self._last_log)
+            self._log_inner(tps)
+            self._loss_sum, self._loss_n, self._tokens_at_log, self._last_log = 0.0, 0, self.tokens, now
+        return applied
+
+    def finish_training(self) -> None:
+        """After the loop: let the last round land (after a budget, not a signal), then the final
+        evaluation and checkpoint."""
+        wall_s = time.monotonic() - self.t_start
+        if self.leader:
+            if self.pending is not None and not self.stop_event.is_set():
+                concurrent.futures.wait([self.pending[0]], timeout=self._round_bound())
             if self.pending is not None and self.pending[0].done():
                 pending, self.pending = self.pending, None
                 self._finish_round(pending)
-
-            # --- every inner_steps steps: hand the pseudo-gradient to a background round --
-            if self.pending is None and self.steps_since_round >= cfg.inner_steps:
-                self.pending = self._start_round()
-                if cfg.sync_rounds:
-                    self._wait_round_sync(t_start)
-
-            # --- every log interval: status line, metrics, progress record ---------------
-            now = time.monotonic()
-            if now - last_log >= cfg.log_interval:
-                self.last_loss = float(loss_sum) / max(loss_n, 1)
-                tps = (self.tokens - tokens_at_log) / (now - last_log)
-                self._log_inner(tps)
-                loss_sum.zero_()
-                loss_n, tokens_at_log, last_log = 0, self.tokens, now
-
-        wall_s = time.monotonic() - t_start
-        # a budget reached (not a signal): let the last round land, bounded by the round's own timeouts
-        if self.pending is not None and not self.stop_event.is_set():
-            concurrent.futures.wait([self.pending[0]], timeout=self._round_bound())
-        if self.pending is not None and self.pending[0].done():
-            pending, self.pending = self.pending, None
-            self._finish_round(pending)
+        extra = {}
+        if self.ranks:  # one last copy of the leader's weights, then check that every rank holds them
+            self._sync_ranks(True)
+            extra = dict(ranks=self.ranks.world_size, rank_spread=self.ranks.spread(self.model))
+        if not self.leader:
+            return
         self.metrics.log("final", inner_step=self.inner_step, outer_step=self.outer_step, eval_loss=self._evaluate(),
                          tokens=self.tokens, compute_s=self.compute_s, wall_s=wall_s,
-                         final_wait_s=time.monotonic() - t_start - wall_s)
+                         final_wait_s=time.monotonic() - self.t_start - wall_s, **extra)
         self._save_checkpoint()
+
+    def _sync_ranks(self, stop: bool) -> bool:
+        """Once per inner step on every rank: the leader's stop decision, schedule position and,
+        when a round or a resync moved its weights, the weights themselves."""
+        stop, changed, self.outer_step, self.steps_since_round = self.ranks.control(
+            [int(stop), int(self._params_changed), self.outer_step, self.steps_since_round])
+        if changed:
+            self.ranks.broadcast_params(self.model)
+            self._params_changed = False
+        return bool(stop)
 
     def _round_bound(self) -> float:
         """The longest a round can take: matchmaking, all-reduce, verdicts."""
         cfg = self.cfg
         return cfg.matchmaking_time * 2 + cfg.request_timeout + cfg.allreduce_timeout + cfg.verdict_timeout + 5
 
-    def _wait_round_sync(self, t_start: float) -> None:
+    def _wait_round_sync(self, t_start: float) -> bool:
         """Synchronous DiLoCo: no training until a full round applies (retried while the group is short)."""
         while self.pending is not None and not self.stop_event.is_set() and not self._out_of_time(t_start):
             concurrent.futures.wait([self.pending[0]], timeout=0.5)
             if self.pending[0].done():
                 pending, self.pending = self.pending, None
-                if not self._finish_round(pending):
-                    self.pending = self._start_round()  # same pseudo-gradient: we have not trained since
+                if self._finish_round(pending):
+                    return True
+                self.pending = self._start_round()  # same pseudo-gradient: we have not trained since
+        return False
 
     def _should_stop(self, t_start: float) -> bool:
         return (self.stop_event.is_set() or self._out_of_time(t_start)
@@ -433,6 +522,7 @@ class Peer:
             self.outer_step = max(m["outer_step"] for m in members) + 1
         local = flat_params(self.model)
         load_flat_(self.model, diloco.merge_local(self.anchor, local, snapshot))
+        self._params_changed = True
         self.tokens_since_anchor -= tokens
         self.swarm_outer_step = max(self.swarm_outer_step, self.outer_step)
         if not self.cfg.client_mode:
@@ -463,10 +553,15 @@ class Peer:
         self.metrics.log("resync", reason=reason, loaded_outer_step=loaded.outer_step, download_s=loaded.download_s)
 
     @torch.no_grad()
-    def _evaluate(self) -> float:
-        """Loss of the anchor (the swarm's model) on the held-out batches."""
+    def _evaluate(self) -> Optional[float]:
+        """Loss of the anchor (the swarm's model) on the held-out batches, or the caller's eval_fn
+        on the anchor; None when there is nothing to evaluate with."""
+        if self.eval_model is None:
+            return None
         with self.state_lock:
             load_flat_(self.eval_model, self.anchor)
+        if self.eval_fn is not None:
+            return float(self.eval_fn(self.eval_model))
         losses = []
         for x, y in self.eval_set:
             with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
@@ -496,3 +591,5 @@ class Peer:
             self.dht = None
         if self.metrics is not None:
             self.metrics.close()
+        if self.ranks is not None:
+            self.ranks.close()

@@ -5,6 +5,9 @@ Shared state = (metadata, [anchor, momentum]): metadata holds `outer_step`, the 
 never advertises its random init; peers advertise `state_sharing_priority = outer_step`, so
 hivemind downloads from the most advanced peer first.
 
+The bytes arrive inside hivemind's averager process, out of our sight: the progress bar (on a
+terminal) shows the elapsed time and the attempt; the caller's status line gives the size after.
+
     >>> state = download_state(averager, cfg, numel, timeout=30)   # None if nobody shares state
     >>> state.outer_step, state.anchor, state.momentum
 """
@@ -17,6 +20,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from p2pdiloco.progress import above_bars, bar, ticking
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +74,22 @@ def download_state(averager, cfg, numel: int, *, timeout: float, min_outer_step:
 
     min_outer_step: wait until some peer offers at least this outer step (a member that left a round
     diverged waits for the others to apply it). Returns None if no usable state came in time."""
+    shown = bar("p2pdiloco: downloading the swarm's state", unit="", bar_format="{desc}: {elapsed}{postfix}")
+    with ticking(shown):
+        return _download(averager, cfg, numel, timeout=timeout, min_outer_step=min_outer_step, progress=progress,
+                         stop_event=stop_event, shown=shown)
+
+
+def _download(averager, cfg, numel: int, *, timeout: float, min_outer_step: int, progress, stop_event,
+              shown) -> Optional[OuterState]:
     deadline = time.monotonic() + timeout
     attempt = 0
     while True:
         if stop_event is not None and stop_event.is_set():
             return None
         attempt += 1
+        shown.set_postfix_str(f"attempt {attempt}" if min_outer_step <= 0 else
+                              f"attempt {attempt}, waiting for outer step {min_outer_step}", refresh=False)
         t0 = time.monotonic()
         if min_outer_step > 0 and best_shared_outer_step(averager.dht, cfg) < min_outer_step:
             result = None
@@ -96,5 +111,6 @@ def download_state(averager, cfg, numel: int, *, timeout: float, min_outer_step:
         if time.monotonic() + 0.5 >= deadline:
             return None
         if progress is not None and attempt == 1:
-            progress("p2pdiloco: no peer shares state yet, retrying ...")
+            with above_bars():
+                progress("p2pdiloco: no peer shares state yet, retrying ...")
         time.sleep(0.25 if min_outer_step > 0 else 1.0)

@@ -8,6 +8,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from p2pdiloco.plot import pyplot
+
 
 def _opened(lines: list, comp, title: str) -> bool:
     """Start a section; a comparison that could not run here says why and shows no table."""
@@ -145,10 +147,7 @@ def _num(v) -> str:
 
 def plot(results: dict, out: Path) -> list[str]:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         print("bench: matplotlib is not installed (pip install -e '.[bench]'): no plots", file=sys.stderr)
         return []

@@ -7,3 +7,12 @@ cd "$(dirname "$0")/.."
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test]"
+# tests/test_monitor.py renders the monitor's page in headless Chromium (Debian's package)
+if ! command -v chromium >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+            || echo "note: installing chromium failed; tests/test_monitor.py needs it"
+    else
+        echo "note: tests/test_monitor.py needs chromium: apt-get install chromium (as root, Debian)"
+    fi
+fi

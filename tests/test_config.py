@@ -36,6 +36,31 @@ def test_presets_load():
     assert small.fingerprint() != tiny.fingerprint()
 
 
+def test_volunteer_preset_is_for_the_public_internet(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    vol = Config.from_sources(ROOT / "peers" / "volunteer.toml")
+    tiny = Config.from_sources(ROOT / "peers" / "tiny-cpu.toml")
+    assert vol.host_maddrs == ["/ip4/0.0.0.0/tcp/31337"]  # all interfaces, a port others can dial
+    assert vol.use_relay and vol.use_auto_relay and not vol.client_mode
+    assert vol.identity_path == str(tmp_path / ".p2pdiloco" / "identity.key")  # ~ expanded
+    assert vol.checkpoint_dir.startswith(str(tmp_path))
+    for key in ("matchmaking_time", "request_timeout", "allreduce_timeout", "next_chunk_timeout", "verdict_timeout",
+                "state_timeout", "bootstrap_timeout"):
+        assert getattr(vol, key) > getattr(tiny, key), key
+
+
+def test_every_preset_key_is_commented():
+    """Each key of each preset in peers/ carries a comment on its line or in the lines just above."""
+    presets = sorted((ROOT / "peers").glob("*.toml"))
+    assert {p.stem for p in presets} >= {"tiny-cpu", "small-gpu", "volunteer", "tiny-llama"}
+    for preset in presets:
+        lines = preset.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if "=" in line and not line.lstrip().startswith("#"):
+                above = lines[i - 1].lstrip() if i else ""
+                assert "#" in line or above.startswith("#"), f"{preset.name}:{i + 1}: {line!r} has no comment"
+
+
 def _write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "peer.toml"
     path.write_text(text)
@@ -175,3 +200,47 @@ def test_benchmark_knobs_are_checked():
         with pytest.raises(ConfigError):
             Config.from_sources(None, bad)
     assert Config.from_sources(None, {"sync_rounds": "true"}).sync_rounds is True
+
+
+def test_gpt_fingerprints_are_pinned():
+    """hf_config added a branch to fingerprint(); peers of the built-in GPT must still meet older peers."""
+    assert Config().fingerprint() == "b5e83b63bc6b"
+    assert Config.from_sources(ROOT / "peers" / "tiny-cpu.toml").fingerprint() == "9a72283f6db1"
+    assert Config.from_sources(ROOT / "peers" / "small-gpu.toml").fingerprint() == "8d3cc7495696"
+    assert Config(compression="int8").fingerprint() == "23466204c2fd"
+
+
+def test_hf_config_path_is_read_next_to_the_preset(tmp_path, monkeypatch):
+    (tmp_path / "presets" / "hf").mkdir(parents=True)
+    model = tmp_path / "presets" / "hf" / "m.json"
+    model.write_text('{"model_type": "llama", "vocab_size": 256}')
+    preset = _write(tmp_path / "presets", '[model]\nhf_config = "hf/m.json"\n')
+    monkeypatch.chdir(tmp_path)
+    assert Config.from_sources(preset).hf_config == str(model)
+    # a flag's relative path is read from the cwd, and wins over the preset's
+    (tmp_path / "flag.json").write_text('{"model_type": "llama", "vocab_size": 256}')
+    assert Config.from_sources(preset, {"hf_config": "flag.json"}).hf_config == str(tmp_path / "flag.json")
+    assert Config.from_sources(preset, {"hf_config": str(model)}).hf_config == str(model)
+    assert Config.from_sources(preset, {"hf_config": ""}).hf_config == ""  # back to the built-in GPT
+    assert Config.from_sources(None, {"hf_config": "presets/hf/m.json"}).hf_config == str(model)
+    with pytest.raises(ConfigError, match="not found"):  # not next to the cwd's preset-relative guess
+        Config.from_sources(None, {"hf_config": "hf/m.json"})
+
+
+@pytest.mark.parametrize("text, match", [
+    ("[1, 2]", "JSON object"),
+    ('{"vocab_size": 256}', "model_type"),
+    ('{"model_type": 3}', "model_type"),
+    ("{oops", "bad JSON"),
+    ('{"model_type": "llama", "vocab_size": 50257}', "vocab_size"),
+    ('{"model_type": "llama", "max_position_embeddings": 16}', "max_position_embeddings"),
+    ('{"model_type": "llama", "max_position_embeddings": "64"}', "max_position_embeddings"),
+])
+def test_hf_config_file_is_checked(tmp_path, text, match):
+    path = tmp_path / "m.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match) as e:
+        Config(hf_config=str(path))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="cannot read"):
+        Config(hf_config=str(tmp_path))  # a directory
