@@ -105,6 +105,9 @@ class Config:
     max_norm_ratio: float = _f(
         10.0, "A contribution whose pseudo-gradient norm exceeds this many times the group median is clipped.")
     state_timeout: float = _f(30.0, "Seconds to look for peers that share state when joining.")
+    wait_for_peers: int = _f(0, "Before the first inner step, wait (up to bootstrap_timeout) until this many peers of "
+                                "the run, this one included, have started: a swarm that starts together "
+                                "(benchmarks). 0 = start at once.")
     sync_rounds: bool = _f(False, "Synchronous DiLoCo, a baseline: after every inner_steps, stop training until a "
                                   "round of min_group_size peers completes (set it to the swarm's size).")
     outer_apply: str = _f("group", "group: one Nesterov step per group average (right). per_contribution: one per "
@@ -160,7 +163,7 @@ class Config:
             value = getattr(self, key)
             need(math.isfinite(value) and value > 0, f"{key} must be a positive number, got {value}")
         for key in ("weight_decay", "grad_clip", "max_time", "warmup_steps", "total_steps", "max_inner_steps",
-                    "max_staleness", "threads", "anchor_tolerance"):
+                    "max_staleness", "threads", "anchor_tolerance", "wait_for_peers"):
             value = getattr(self, key)
             need(math.isfinite(value) and value >= 0, f"{key} must be >= 0, got {value}")
         need(0 <= self.outer_momentum < 1, f"outer_momentum must be in [0, 1), got {self.outer_momentum}")

@@ -232,6 +232,23 @@ class Peer:
         if not self.cfg.client_mode:
             self.averager.state_sharing_priority = float(self.outer_step)
             self.averager.allow_state_sharing = True
+        if self.cfg.wait_for_peers > 1:
+            self._wait_for_peers(self.cfg.wait_for_peers)
+
+    def _wait_for_peers(self, count: int) -> None:
+        """A swarm that starts together: no training until `count` peers of the run are up."""
+        deadline = time.monotonic() + self.cfg.bootstrap_timeout
+        started = 1
+        while not self.stop_event.is_set() and time.monotonic() < deadline:
+            try:
+                started = swarm.started_peers(self.dht, self.cfg)
+            except Exception as e:  # a slow read: ask again until the deadline
+                logger.debug(f"peer count read failed: {e!r}")
+            if started >= count:
+                return
+            time.sleep(0.2)
+        self._progress(f"p2pdiloco: {started} of {count} peers up after {self.cfg.bootstrap_timeout:.0f}s; "
+                       "training anyway")
 
     def _install(self, loaded: state.OuterState, *, keep_local: bool, tokens_kept: int = 0) -> None:
         """Adopt a downloaded anchor; keep_local keeps the progress made since the last snapshot

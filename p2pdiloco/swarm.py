@@ -115,6 +115,15 @@ def announce_config(dht: hivemind.DHT, cfg) -> None:
         dht.store(member_key(cfg), subkey=peer, value=True, expiration_time=expiration)
 
 
+def started_peers(dht: hivemind.DHT, cfg, *, timeout: float = 5.0) -> int:
+    """How many peers of the run with our model config have announced themselves (live ones:
+    the announcements expire)."""
+    found = dht.get(_run_key(cfg), latest=True, return_future=True).result(timeout=timeout)
+    if found is None or not isinstance(found.value, dict):
+        return 0
+    return sum(v.value == cfg.fingerprint() for v in found.value.values())
+
+
 def member_key(cfg) -> str:
     return f"{cfg.dht_prefix}_members"
 

@@ -53,11 +53,12 @@ class Size:
     eval_batches: int   # held-out batches behind every eval loss
     parallel: int       # runs of one comparison at once (1 = clean timings)
     inner_steps: int    # H (the quality comparison also runs 2H)
+    overhead_factor: int = 10  # the overhead comparison runs H and this many times H
 
 
 SIZES = {
     "default": Size(peers=4, steps=1500, duration=150.0, eval_batches=16, parallel=1, inner_steps=50),
-    "quick": Size(peers=2, steps=80, duration=20.0, eval_batches=2, parallel=8, inner_steps=20),
+    "quick": Size(peers=2, steps=80, duration=20.0, eval_batches=2, parallel=8, inner_steps=20, overhead_factor=3),
 }
 
 
@@ -80,7 +81,8 @@ class Bench:
         workdir = self.out / "runs" / f"{name}-s{self.seed}"
         shutil.rmtree(workdir, ignore_errors=True)
         names = [chr(ord("a") + i) for i in range(self.size.peers)]
-        overrides = {"run_id": f"bench-{name}-s{self.seed}", **overrides}
+        # every peer starts training together (a peer that came up later must not miss the others)
+        overrides = {"run_id": f"bench-{name}-s{self.seed}", "wait_for_peers": len(names), **overrides}
         peer_values = [{**overrides, **(per_peer or {}).get(i, {})} for i in range(len(names))]
         before = net.counters() if net else None
         with LocalSwarm(workdir, config=preset) as swarm:
@@ -213,7 +215,7 @@ class Bench:
         falls as rounds get rarer."""
         pair = Bench(self.out, replace(self.size, peers=2), seed=self.seed, data=self.data)
         by_h = {}
-        for H in (self.size.inner_steps, 10 * self.size.inner_steps):
+        for H in (self.size.inner_steps, self.size.overhead_factor * self.size.inner_steps):
             steps = max(self.size.steps, 3 * H)
             base = {**self.common(steps), "max_inner_steps": steps, "eval_batches": 1, "eval_every": 10**6,
                     "inner_steps": H}

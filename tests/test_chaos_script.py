@@ -1,4 +1,4 @@
-"""scripts/chaos.py end to end, in a tiny setting: 3 real peers for 50 s, a fault every ~15 s."""
+"""scripts/chaos.py end to end, in a tiny setting: 3 real peers for 35 s, a fault every ~10 s."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ pytestmark = pytest.mark.chaos
 def test_chaos_script_small_run(tmp_path):
     corpus = make_corpus(tmp_path / "corpus.txt")
     workdir = tmp_path / "chaos"
-    cmd = [sys.executable, str(ROOT / "scripts" / "chaos.py"), "--peers", "3", "--duration", "50",
-           "--fault-every", "15", "--seed", "3", "--workdir", str(workdir), "--data", str(corpus),
+    cmd = [sys.executable, str(ROOT / "scripts" / "chaos.py"), "--peers", "3", "--duration", "35",
+           "--fault-every", "10", "--seed", "3", "--workdir", str(workdir), "--data", str(corpus),
            "--", "--inner-steps", "30"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

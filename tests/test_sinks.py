@@ -35,7 +35,7 @@ def test_join_writes_tensorboard_and_wandb(tmp_path, corpus):
     env = {"WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir), "WANDB_SILENT": "true"}
     with LocalSwarm(tmp_path, config=TINY, env=env) as swarm:
         try:
-            peer = swarm.start("a", "--data", str(corpus), "--max-inner-steps", "60", "--log-interval", "0.5",
+            peer = swarm.start("a", "--data", str(corpus), "--max-time", "3", "--log-interval", "0.5",
                                "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--tensorboard-dir", str(tb_dir),
                                "--wandb-project", "p", "--quiet")
             code = peer.proc.wait(timeout=120)
