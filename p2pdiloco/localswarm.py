@@ -188,15 +188,21 @@ class LocalSwarm:
         """SIGKILL what is left of a peer's process group, once."""
         if peer.reaped:
             return
-        for pid in group_members(peer.pgid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if peer.proc.poll() is None:
-            peer.proc.kill()
-            peer.proc.wait(timeout=10)
+        kill_group(peer.proc)
         peer.reaped = True
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL whatever is left of the process group that proc leads (started with
+    start_new_session=True: its DHT process and p2pd included), and reap proc."""
+    for pid in group_members(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=10)
 
 
 def _bootstrap_main(host_maddr: str, maddrs_file: str) -> None:

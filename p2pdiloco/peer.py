@@ -236,12 +236,15 @@ class Peer:
             self._wait_for_peers(self.cfg.wait_for_peers)
 
     def _wait_for_peers(self, count: int) -> None:
-        """A swarm that starts together: no training until `count` peers of the run are up."""
+        """A swarm that starts together: no training until `count` peers of the run are ready to
+        train (joined, state loaded), as their first progress records say."""
+        self.last_loss = math.nan
+        swarm.publish_progress(self.dht, self.cfg, self._progress_record(0.0))
         deadline = time.monotonic() + self.cfg.bootstrap_timeout
         started = 1
         while not self.stop_event.is_set() and time.monotonic() < deadline:
             try:
-                started = swarm.started_peers(self.dht, self.cfg)
+                started = len(swarm.read_progress(self.dht, self.cfg, timeout=5.0))
             except Exception as e:  # a slow read: ask again until the deadline
                 logger.debug(f"peer count read failed: {e!r}")
             if started >= count:
@@ -445,17 +448,20 @@ class Peer:
         if time.monotonic() - self._announced > 60:
             swarm.announce_config(self.dht, self.cfg)
             self._announced = time.monotonic()
-        swarm.publish_progress(self.dht, self.cfg, {
-            "outer_step": self.outer_step, "inner_step": self.inner_step, "loss": self.last_loss,
-            "tokens_per_s": tokens_per_s, "tokens": self.tokens, "device": self.device_name,
-            "maddrs": self.maddrs[:4], "group_size": self.last_group_size, "rounds_applied": self.rounds_applied,
-            "rounds_failed": self.rounds_failed, "eval_loss": self.last_eval_loss, "time": time.time()})
+        swarm.publish_progress(self.dht, self.cfg, self._progress_record(tokens_per_s))
         self._refresh_swarm_outer_step()
+
+    def _progress_record(self, tokens_per_s: float) -> dict:
+        """What `status` and `monitor` show of this peer (and what the staleness check reads)."""
+        return {"outer_step": self.outer_step, "inner_step": self.inner_step, "loss": self.last_loss,
+                "tokens_per_s": tokens_per_s, "tokens": self.tokens, "device": self.device_name,
+                "maddrs": self.maddrs[:4], "group_size": self.last_group_size, "rounds_applied": self.rounds_applied,
+                "rounds_failed": self.rounds_failed, "eval_loss": self.last_eval_loss, "time": time.time()}
 
     def _check_swarm_outer_step(self) -> None:
         """Blocking read of the swarm's outer step (after a freeze, before the next contribution)."""
         try:
-            records = swarm.read_progress(self.dht, self.cfg)
+            records = swarm.read_progress(self.dht, self.cfg, timeout=10.0)
         except Exception as e:  # the DHT may be slow right after a freeze; the digest check still guards
             logger.warning(f"could not read the swarm's progress: {e!r}")
             return

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Optional
 
 import hivemind
 from hivemind.utils.timed_storage import get_dht_time
@@ -115,15 +116,6 @@ def announce_config(dht: hivemind.DHT, cfg) -> None:
         dht.store(member_key(cfg), subkey=peer, value=True, expiration_time=expiration)
 
 
-def started_peers(dht: hivemind.DHT, cfg, *, timeout: float = 5.0) -> int:
-    """How many peers of the run with our model config have announced themselves (live ones:
-    the announcements expire)."""
-    found = dht.get(_run_key(cfg), latest=True, return_future=True).result(timeout=timeout)
-    if found is None or not isinstance(found.value, dict):
-        return 0
-    return sum(v.value == cfg.fingerprint() for v in found.value.values())
-
-
 def member_key(cfg) -> str:
     return f"{cfg.dht_prefix}_members"
 
@@ -135,8 +127,10 @@ def publish_progress(dht: hivemind.DHT, cfg, record: dict) -> None:
               expiration_time=get_dht_time() + ttl, return_future=True)
 
 
-def read_progress(dht: hivemind.DHT, cfg) -> dict[str, dict]:
-    return parse_progress(dht.get(f"{cfg.dht_prefix}_progress", latest=True))
+def read_progress(dht: hivemind.DHT, cfg, timeout: Optional[float] = None) -> dict[str, dict]:
+    """The live peers' latest progress records (a TimeoutError after timeout seconds)."""
+    future = dht.get(f"{cfg.dht_prefix}_progress", latest=True, return_future=True)
+    return parse_progress(future.result(timeout=timeout))
 
 
 def parse_progress(found) -> dict[str, dict]:

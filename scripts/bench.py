@@ -54,11 +54,14 @@ class Size:
     parallel: int       # runs of one comparison at once (1 = clean timings)
     inner_steps: int    # H (the quality comparison also runs 2H)
     overhead_factor: int = 10  # the overhead comparison runs H and this many times H
+    pace: float = 1.0   # quality runs: every peer sleeps to this slowdown (sleeping costs no CPU), so that on
+                        # a crowded machine a peer's 80 steps still span several rounds of the other's
 
 
 SIZES = {
     "default": Size(peers=4, steps=1500, duration=150.0, eval_batches=16, parallel=1, inner_steps=50),
-    "quick": Size(peers=2, steps=80, duration=20.0, eval_batches=2, parallel=8, inner_steps=20, overhead_factor=3),
+    "quick": Size(peers=2, steps=80, duration=20.0, eval_batches=2, parallel=8, inner_steps=20, overhead_factor=3,
+                  pace=3.0),
 }
 
 
@@ -128,7 +131,7 @@ class Bench:
 
     def quality(self) -> dict:
         n, steps, H = self.size.peers, self.size.steps, self.size.inner_steps
-        base = {**self.common(steps), "max_inner_steps": steps}
+        base = {**self.common(steps), "max_inner_steps": steps, "slowdown": self.size.pace}
         group = {"target_group_size": n}
         sync = {"sync_rounds": True, "min_group_size": n, **group}
         jobs = [(self.ddp, dict(name="ddp", steps=steps, overrides=base)),

@@ -12,7 +12,6 @@ monitor, browser) is stopped before it returns.
 from __future__ import annotations
 
 import argparse
-import os
 import select
 import shutil
 import signal
@@ -25,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from p2pdiloco.localswarm import LocalSwarm, group_members  # noqa: E402
+from p2pdiloco.localswarm import LocalSwarm, kill_group  # noqa: E402
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--disable-default-apps", "--no-first-run",
@@ -39,14 +38,7 @@ def stop_group(proc: subprocess.Popen) -> None:
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             pass
-    for pid in group_members(proc.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(timeout=10)
+    kill_group(proc)
 
 
 def main() -> int:

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from p2pdiloco.localswarm import LocalSwarm, group_members
+from p2pdiloco.localswarm import LocalSwarm, group_members, kill_group
 from tests.conftest import TINY
 
 pytestmark = pytest.mark.timeout(240)
@@ -56,16 +56,7 @@ def spawn(*args: str, stdout=subprocess.PIPE) -> subprocess.Popen:
                             stdin=subprocess.DEVNULL, text=True, start_new_session=True)
 
 
-def stop_group(proc: subprocess.Popen) -> None:
-    """SIGKILL whatever is left of the command's process group (nothing, after a clean exit)."""
-    for pid in group_members(proc.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait(timeout=10)
+stop_group = kill_group  # nothing is left of a command's process group after a clean exit
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
