@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
-from p2pdiloco import checkpoint, diloco, state, swarm
+from p2pdiloco import checkpoint, diloco, sinks, state, swarm
 from p2pdiloco.averaging import DilocoAverager, RoundOutcome, RoundRunner, contribution_weight, quiet_lonely_rounds
 from p2pdiloco.data import load_data
 from p2pdiloco.metrics import Metrics
@@ -138,6 +138,7 @@ class Peer:
             self.metrics = Metrics(None, f"rank{self.ranks.rank}", quiet=True)
             return
 
+        sinks.check_installed(tensorboard_dir=cfg.tensorboard_dir, wandb_project=cfg.wandb_project)
         quiet_lonely_rounds()
         self.dht = swarm.start_dht(cfg)
         self.peer_id = str(self.dht.peer_id)

@@ -92,6 +92,17 @@ class WandbSink:
             self.wandb.teardown()  # stops the wandb-core service process; our CLI exits without atexit hooks
 
 
+def check_installed(*, tensorboard_dir: str = "", wandb_project: str = "") -> None:
+    """Before the swarm is joined: a ConfigError when a sink asked for is not installed at all
+    (an install that fails on import is caught when the sink starts)."""
+    import importlib.util
+
+    for asked, package, flag in ((tensorboard_dir, "tensorboard", "--tensorboard-dir"),
+                                 (wandb_project, "wandb", "--wandb-project")):
+        if asked and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"{flag} needs the {package} package: pip install 'p2pdiloco[{package}]'")
+
+
 def open_sinks(*, peer: str, tensorboard_dir: str = "", wandb_project: str = "", run_config: Optional[dict] = None,
                log_dir: Optional[str] = None) -> list:
     """The sinks asked for, started; none is left open if one fails to start."""

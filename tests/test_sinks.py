@@ -16,6 +16,7 @@ import pytest
 from p2pdiloco.config import ConfigError
 from p2pdiloco.localswarm import LocalSwarm
 from p2pdiloco.metrics import Metrics, read_metrics
+from p2pdiloco.sinks import check_installed
 from tests.conftest import ROOT, TINY
 
 pytestmark = pytest.mark.timeout(180)
@@ -107,6 +108,11 @@ def test_metrics_raise_config_error_for_a_missing_package(tmp_path, monkeypatch,
     with pytest.raises(ConfigError, match=f"needs the {package} package: pip install 'p2pdiloco\\[{package}\\]'"):
         Metrics(str(tmp_path / "log"), "p", **sink)
     assert not (tmp_path / "log").exists()  # nothing opened before the error
+    # the peer asks the same before it joins the swarm (find_spec reports the package missing)
+    with pytest.raises(ConfigError, match=f"needs the {package} package"):
+        check_installed(**sink)
+    other = {"wandb_project": "p"} if package == "tensorboard" else {"tensorboard_dir": str(tmp_path / "tb")}
+    check_installed(**other)  # the other one is installed
 
 
 def test_a_failing_sink_is_dropped_with_one_warning(tmp_path, caplog):
