@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
 
     from p2pdiloco.config import ConfigError
     from p2pdiloco.status import client_config, start_client
-    from p2pdiloco.swarm import SwarmError, _is_loopback
+    from p2pdiloco.swarm import SwarmError, is_loopback
 
     if not 0 <= args.port <= 65535:
         return fail(f"--port must be in 0-65535, got {args.port}")
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     watch = SwarmWatch(None, cfg.run_id, cfg.run_secret, interval=args.interval, timeout=args.timeout,
-                       max_points=args.history, prefer_loopback=all(_is_loopback(m) for m in cfg.initial_peers))
+                       max_points=args.history, prefer_loopback=all(is_loopback(m) for m in cfg.initial_peers))
     server = server_thread = None
     try:
         try:

@@ -47,13 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def client_config(args: argparse.Namespace):
     """A Config for a client-only DHT node: loopback if every initial peer is on loopback."""
     from p2pdiloco.config import Config
-    from p2pdiloco.swarm import _is_loopback
+    from p2pdiloco.swarm import is_loopback
 
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         from p2pdiloco.config import ConfigError
 
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    local = all(_is_loopback(m) for m in args.initial_peers)
+    local = all(is_loopback(m) for m in args.initial_peers)
     overrides: dict[str, Any] = dict(
         initial_peers=list(args.initial_peers), client_mode=True, identity_path="", announce_maddrs=[],
         host_maddrs=["/ip4/127.0.0.1/tcp/0"] if local else ["/ip4/0.0.0.0/tcp/0"],
@@ -163,8 +163,10 @@ def jsonable(value: Any) -> Any:
 
 def address(record: dict, prefer_loopback: bool = False) -> str:
     """The peer's first dialable address, without the /p2p/<peer id> part (the id has its own column)."""
+    from p2pdiloco.swarm import is_loopback
+
     maddrs = [m for m in record.get("maddrs") or [] if isinstance(m, str)]
-    loopback = [m for m in maddrs if m.startswith(("/ip4/127.", "/ip6/::1/"))]
+    loopback = [m for m in maddrs if is_loopback(m)]
     others = [m for m in maddrs if m not in loopback]
     ordered = loopback + others if prefer_loopback else others + loopback
     return ordered[0].split("/p2p/")[0] if ordered else "?"
@@ -209,7 +211,7 @@ def format_table(records: list[dict], run_id: str, now: float | None = None, pre
 
 def run(args: argparse.Namespace) -> int:
     from p2pdiloco.config import ConfigError
-    from p2pdiloco.swarm import SwarmError, _is_loopback
+    from p2pdiloco.swarm import SwarmError, is_loopback
 
     try:
         cfg = client_config(args)
@@ -227,5 +229,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(jsonable(records), indent=2, default=str))
     else:
-        print(format_table(records, cfg.run_id, prefer_loopback=all(_is_loopback(m) for m in cfg.initial_peers)))
+        print(format_table(records, cfg.run_id, prefer_loopback=all(is_loopback(m) for m in cfg.initial_peers)))
     return 0

@@ -29,13 +29,13 @@ class SwarmError(RuntimeError):
     """The swarm cannot be joined as asked; the CLI reports it on one line and exits 2."""
 
 
-def _is_loopback(maddr: str) -> bool:
+def is_loopback(maddr: str) -> bool:
     return maddr.startswith("/ip4/127.") or maddr.startswith("/ip6/::1/")
 
 
 def start_dht(cfg) -> hivemind.DHT:
     """Start this peer's DHT node (and its p2pd daemon) and bootstrap through cfg.initial_peers."""
-    local_only = all(_is_loopback(m) for m in cfg.host_maddrs)
+    local_only = all(is_loopback(m) for m in cfg.host_maddrs)
     kwargs = dict(
         initial_peers=list(cfg.initial_peers) or None,
         host_maddrs=list(cfg.host_maddrs),
@@ -67,7 +67,7 @@ def start_dht(cfg) -> hivemind.DHT:
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:
     """This peer's multiaddrs as others can dial them, loopback first."""
     addrs = [str(a) for a in dht.get_visible_maddrs()]
-    return sorted(set(addrs), key=lambda a: (not _is_loopback(a), a))
+    return sorted(set(addrs), key=lambda a: (not is_loopback(a), a))
 
 
 def write_maddrs(dht: hivemind.DHT, path: str) -> None:
