@@ -45,6 +45,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, attach_event_on_finished, azip
 from hivemind.utils.timed_storage import get_dht_time
 
+from p2pdiloco import diloco
 from p2pdiloco.compression import BlockwiseQuantization, bytes_per_value, make_codec
 from p2pdiloco.secret import peer_token
 
@@ -76,6 +77,7 @@ class RoundReport:
     bytes_sent: int = 0
     bytes_recv: int = 0
     rejected: dict = field(default_factory=dict)  # sender peer id -> why its parts were excluded or clipped
+    merged: bool = False  # a merge round: anchors and outer momenta were averaged too
 
 
 @dataclass
@@ -87,16 +89,24 @@ class ContributionPolicy:
     sender that announced a non-finite norm or one over `max_norm_ratio` times the group's lower
     median; a part larger than its sender's announced norm allows. Weights are capped at
     `max_norm_ratio` times the median weight. Every member derives the same policy, so every
-    reducer treats a sender the same way and the round stays consistent."""
+    reducer treats a sender the same way and the round stays consistent.
+
+    A merge round (`merge`: each sender's weight in the anchor average, diloco.merge_weights)
+    sends [pseudo-gradient | anchor | momentum]; anchors and momenta pass the same rules, each
+    against its own announced norm (`anchor_norm`, `momentum_norm`), and each sender scales them
+    by `merge_scales` so that hivemind's one weight per sender yields the merge weights."""
 
     excluded: list        # per sender: True if none of its parts are used
     norm_caps: list       # per sender: the largest part norm consistent with its announcement
     weight_caps: list     # per sender: the largest weight it may claim
     notes: dict           # sender index -> reason
+    segment_caps: Optional[list] = None   # merge rounds: per sender, caps of its 3 segments' norms
+    merge_scales: Optional[list] = None   # merge rounds: per sender, the factor on its anchor and momentum
+    merge_problem: str = ""               # merge rounds: why no anchor average is possible (the round fails)
 
     @classmethod
-    def from_gathered(cls, gathered: list, *, max_norm_ratio: float, norm_slack: float = 1.01
-                      ) -> "ContributionPolicy":
+    def from_gathered(cls, gathered: list, *, max_norm_ratio: float, norm_slack: float = 1.01,
+                      merge: Optional[list] = None) -> "ContributionPolicy":
         norms = [g.get("norm") if isinstance(g, dict) else None for g in gathered]
         weights = [g.get("weight") if isinstance(g, dict) else None for g in gathered]
         median = _lower_median([n for n in norms if isinstance(n, (int, float)) and math.isfinite(n) and n >= 0])
@@ -112,7 +122,38 @@ class ContributionPolicy:
         excluded = [i in notes for i in range(len(norms))]
         # norm_slack: how much a lossy codec may grow a norm (the announced norm is before encoding)
         caps = [0.0 if out else n * max(1.01, norm_slack) + 1e-6 for out, n in zip(excluded, norms)]
-        return cls(excluded, caps, [max_norm_ratio * (median_w or 1.0)] * len(norms), notes)
+        policy = cls(excluded, caps, [max_norm_ratio * (median_w or 1.0)] * len(norms), notes)
+        if merge is not None:
+            policy._plan_merge(gathered, merge, weights, max_norm_ratio)
+        return policy
+
+    def _plan_merge(self, gathered: list, merge: list, weights: list, max_norm_ratio: float) -> None:
+        announced = {}
+        for key in ("anchor_norm", "momentum_norm"):
+            values = [g.get(key) if isinstance(g, dict) else None for g in gathered]
+            ok = [isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in values]
+            median = _lower_median([v for v, good, m in zip(values, ok, merge) if good and m > 0])
+            for i, (v, good) in enumerate(zip(values, ok)):
+                if merge[i] <= 0 or i in self.notes:
+                    continue
+                if not good:
+                    self.notes[i] = f"announced {key} {v!r}"
+                elif median > 0 and v > max_norm_ratio * median:
+                    self.notes[i] = f"{key} {v:.3g} > {max_norm_ratio:g}x the group median {median:.3g}: excluded"
+            announced[key] = [v if good else 0.0 for v, good in zip(values, ok)]
+        self.excluded = [i in self.notes for i in range(len(gathered))]
+        used = [0.0 if out or not isinstance(w, (int, float)) or not math.isfinite(w) else min(float(w), cap)
+                for out, w, cap in zip(self.excluded, weights, self.weight_caps)]
+        votes = [0.0 if out else float(m) for out, m in zip(self.excluded, merge)]
+        total_w, total_v = sum(used), sum(votes)
+        if total_v <= 0 or total_w <= 0:
+            self.merge_problem = "no usable member at the group's newest outer step to merge anchors from"
+        # hivemind averages sum(w x) / sum(w): sending v/w * W/V * anchor yields sum(v anchor) / sum(v)
+        self.merge_scales = [v / w * total_w / total_v if w > 0 and total_v > 0 else 0.0 for v, w in zip(votes, used)]
+        self.segment_caps = [[0.0 if out else cap, *(scale * announced[key][i] * 1.01 + 1e-6
+                                                     for key in ("anchor_norm", "momentum_norm"))]
+                             for i, (out, cap, scale) in enumerate(zip(self.excluded, self.norm_caps,
+                                                                       self.merge_scales))]
 
     @property
     def valid(self) -> int:
@@ -132,6 +173,8 @@ class RoundOutcome:
     members: dict = field(default_factory=dict)  # peer id (str) -> gathered metadata
     report: Optional[RoundReport] = None
     round_s: float = 0.0
+    anchor: Optional[torch.Tensor] = None    # a merge round: the members' merged anchor ...
+    momentum: Optional[torch.Tensor] = None  # ... and outer momentum, before this round's outer step
 
 
 class _CountingStub:
@@ -156,7 +199,7 @@ class CountingAllReduceRunner(AllReduceRunner):
     runner's outputs are then averages (`absolute`), not deltas."""
 
     def __init__(self, *args, policy: Optional[ContributionPolicy] = None,
-                 codec: Optional[BlockwiseQuantization] = None, **kwargs):
+                 codec: Optional[BlockwiseQuantization] = None, segments: int = 0, **kwargs):
         self.bytes_sent = self.bytes_recv = 0
         self._serving = 0  # our reducer's result streams to groupmates still open
         self._served = asyncio.Event()
@@ -169,6 +212,17 @@ class CountingAllReduceRunner(AllReduceRunner):
             self.tensor_part_container.return_deltas = False
         self.policy = policy
         self.rejected: dict[str, str] = {}
+        # a merge round: the vector is 3 segments of `segments` values; each part's flat offset tells
+        # which segment(s) it holds, so that each is checked against its own announced norm
+        self.segments = segments
+        self._part_offsets: list[int] = []
+        if segments:
+            me = self.ordered_peer_ids.index(self.peer_id)
+            lengths = [[len(part) for part, _ in parts] for parts in self.tensor_part_container._input_parts_by_peer]
+            offset = sum(sum(lens) for lens in lengths[:me])
+            for length in lengths[me]:
+                self._part_offsets.append(offset)
+                offset += length
         if policy is not None:
             for index, note in policy.notes.items():
                 self.rejected[str(self.sender_peer_ids[index])] = note
@@ -186,6 +240,8 @@ class CountingAllReduceRunner(AllReduceRunner):
             problem = "non-finite values"
         elif policy.excluded[sender_index]:
             problem = policy.notes.get(sender_index, "excluded")
+        elif self.segments:
+            problem = self._segment_problem(sender_index, part_index, tensor_part)
         elif float(tensor_part.float().norm()) > policy.norm_caps[sender_index]:
             problem = "part larger than its announced norm"
         if problem is not None:
@@ -193,6 +249,16 @@ class CountingAllReduceRunner(AllReduceRunner):
             return await self._accumulate(sender_index, part_index, torch.zeros(expected), weight=0.0)
         weight = min(float(weight), policy.weight_caps[sender_index])
         return await self._accumulate(sender_index, part_index, tensor_part, weight=weight)
+
+    def _segment_problem(self, sender_index: int, part_index: int, tensor_part: torch.Tensor) -> Optional[str]:
+        start, n = self._part_offsets[part_index], self.segments
+        flat = tensor_part.reshape(-1).float()
+        for segment, (name, cap) in enumerate(zip(("pseudo-gradient", "anchor", "momentum"),
+                                                  self.policy.segment_caps[sender_index])):
+            lo, hi = max(start, segment * n), min(start + flat.numel(), (segment + 1) * n)
+            if lo < hi and float(flat[lo - start:hi - start].norm()) > cap:
+                return f"{name} part larger than its announced norm"
+        return None
 
     # --- low-bit codecs: absolute replies, encoded once per part -------------------------------
 
@@ -308,23 +374,34 @@ class CountingAllReduceRunner(AllReduceRunner):
         if self.banned_senders:
             problems.append(f"reducer dropped {len(self.banned_senders)} sender(s)")
         return RoundReport(group_id=self.group_id.hex(), complete=not problems, reason="; ".join(problems),
-                           bytes_sent=self.bytes_sent, bytes_recv=self.bytes_recv, rejected=dict(self.rejected))
+                           bytes_sent=self.bytes_sent, bytes_recv=self.bytes_recv, rejected=dict(self.rejected),
+                           merged=bool(self.segments))
 
 
 class DilocoAverager(hivemind.DecentralizedAverager):
     """A DecentralizedAverager whose step() also returns a RoundReport, and whose shared state
-    (for joiners) comes from `state_fn` (called in a thread of the trainer's process)."""
+    (for joiners) comes from `state_fn` (called in a thread of the trainer's process).
 
-    def __init__(self, averaged_tensors, dht, *, cfg, state_fn: Callable[[], tuple], slots: int = 1, **kwargs):
+    merge_size = N (> 0): the one averaged buffer holds [pseudo-gradient | anchor | momentum], N
+    values each. A round averages the first segment only, unless the members' announced anchor
+    digests differ: then it is a merge round that averages all three in fp32 (see
+    ContributionPolicy and diloco.merge_weights), and nobody needs to download a state."""
+
+    def __init__(self, averaged_tensors, dht, *, cfg, state_fn: Callable[[], tuple], slots: int = 1,
+                 merge_size: int = 0, **kwargs):
         self._state_fn = state_fn
         self._slots = slots  # > 1: each member's pseudo-gradient keeps its own slot (outer_apply = per_contribution)
+        self.merge_size = merge_size
+        assert not merge_size or sum(t.numel() for t in averaged_tensors) == 3 * merge_size
+        self._anchor_tolerance = cfg.anchor_tolerance
         self._reports: dict[bytes, RoundReport] = {}
         self._max_norm_ratio = cfg.max_norm_ratio
         self._secret = cfg.run_secret
         compression = make_codec(cfg.compression)
         self._codec = compression if isinstance(compression, BlockwiseQuantization) else None
         # hivemind hands whole parts to reducers: small parts spread a small model over the group
-        vector_bytes = int(sum(t.numel() for t in averaged_tensors) * bytes_per_value(cfg.compression))
+        values = merge_size or sum(t.numel() for t in averaged_tensors)
+        vector_bytes = int(values * bytes_per_value(cfg.compression))
         part_size_bytes = min(2**19, max(2**14, vector_bytes // 32))
         super().__init__(
             averaged_tensors, dht, prefix=cfg.dht_prefix, start=True,
@@ -335,6 +412,15 @@ class DilocoAverager(hivemind.DecentralizedAverager):
             allow_state_sharing=False, declare_state_period=10.0, client_mode=cfg.client_mode,
             part_size_bytes=part_size_bytes, shutdown_timeout=3, **kwargs,
         )
+
+    def set_target_group_size(self, size: int) -> None:
+        """From the next matchmaking on, a group forms as soon as it has `size` members (else when
+        the matchmaking window ends, with whoever came)."""
+        self._outer_pipe.send(("_set_target_group_size", [int(size)], {}))
+
+    async def _set_target_group_size(self, size: int) -> None:
+        self._matchmaking.target_group_size = size
+        self._matchmaking.potential_leaders.target_group_size = size
 
     def get_current_state(self):
         metadata, tensors = self._state_fn()
@@ -395,11 +481,32 @@ class DilocoAverager(hivemind.DecentralizedAverager):
         gathered = [self.serializer.loads(self.serializer.loads(raw)[2]) for raw in group_info.gathered]
         modes = kwargs.get("modes") or [AveragingMode.NODE] * len(gathered)
         senders = [g for g, mode in zip(gathered, modes) if mode != AveragingMode.AUX]
-        slack = self._codec.norm_slack if self._codec is not None else 1.01
-        policy = ContributionPolicy.from_gathered(senders, max_norm_ratio=self._max_norm_ratio, norm_slack=slack)
+        sender_ids = [p for p, mode in zip(group_info.peer_ids, modes) if mode != AveragingMode.AUX]
+        merge = diloco.merge_weights(senders, self._anchor_tolerance) if self.merge_size else None
+        codec, segments = self._codec, 0
+        slack = codec.norm_slack if codec is not None else 1.01
+        policy = ContributionPolicy.from_gathered(senders, max_norm_ratio=self._max_norm_ratio, norm_slack=slack,
+                                                  merge=merge)
+        if self.merge_size:
+            (buffer,) = tensors
+            n = self.merge_size
+            if merge is None:
+                tensors = [buffer[:n]]
+            elif policy.merge_problem:
+                self._reports[group_id] = RoundReport(group_id=group_id.hex(), complete=False,
+                                                      reason=policy.merge_problem, merged=True)
+                raise AllreduceException(policy.merge_problem)
+            else:  # a merge round: all three segments, in fp32, anchor and momentum scaled (ContributionPolicy)
+                scale = policy.merge_scales[sender_ids.index(self.peer_id)] if self.peer_id in sender_ids else 0.0
+                if scale:
+                    buffer[n:].mul_(scale)
+                else:  # a member behind (or excluded) sends zeros, whatever its own values are, and adopts the average
+                    buffer[n:].zero_()
+                kwargs["compression"] = NoCompression()
+                codec, segments = None, n
         runner = CountingAllReduceRunner(
             p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
-            ordered_peer_ids=group_info.peer_ids, policy=policy, codec=self._codec, **kwargs,
+            ordered_peer_ids=group_info.peer_ids, policy=policy, codec=codec, segments=segments, **kwargs,
         )
         self._running_groups[group_id].set_result(runner)
         try:
@@ -425,27 +532,36 @@ class RoundRunner:
         self.peer_id = str(dht.peer_id)
 
     def start(self, pseudo_grad: torch.Tensor, *, weight: float, gather: dict,
+              anchor: Optional[torch.Tensor] = None, momentum: Optional[torch.Tensor] = None,
               on_allreduce: Optional[Callable[[], None]] = None) -> concurrent.futures.Future:
         """Run one round in a daemon thread (a round stuck in hivemind must not block the exit).
+        anchor and momentum: with a merge-capable averager, what a merge round would average (the
+        gather must then carry this member's anchor `digest` and `outer_step`).
         on_allreduce is called (from that thread) once the group is formed and the all-reduce begins."""
         future: concurrent.futures.Future = concurrent.futures.Future()
+        merging = (anchor, momentum) if self.averager.merge_size else None
 
         def target() -> None:
             try:
-                future.set_result(self._run(pseudo_grad, weight, gather, on_allreduce))
+                future.set_result(self._run(pseudo_grad, weight, gather, on_allreduce, merging))
             except BaseException as e:
                 future.set_exception(e)
 
         threading.Thread(target=target, name="averaging-round", daemon=True).start()
         return future
 
-    def _run(self, pseudo_grad: torch.Tensor, weight: float, gather: dict, on_allreduce) -> RoundOutcome:
+    def _run(self, pseudo_grad: torch.Tensor, weight: float, gather: dict, on_allreduce, merging) -> RoundOutcome:
         t0 = time.monotonic()
-        with self.averager.get_tensors() as (buffer,):
-            if buffer.numel() != pseudo_grad.numel():  # per_contribution: slot 0, the averager moves it
-                buffer.zero_()
-            buffer[:pseudo_grad.numel()].copy_(pseudo_grad)
+        n = pseudo_grad.numel()
         gather = {**gather, "norm": float(pseudo_grad.norm()), "weight": weight}
+        with self.averager.get_tensors() as (buffer,):
+            if merging is not None:
+                for segment, (key, tensor) in enumerate(zip(("anchor_norm", "momentum_norm"), merging), start=1):
+                    buffer[segment * n:(segment + 1) * n].copy_(tensor)
+                    gather[key] = float(tensor.norm())
+            elif buffer.numel() != n:  # per_contribution: slot 0, the averager moves it
+                buffer.zero_()
+            buffer[:n].copy_(pseudo_grad)
         if self.cfg.run_secret:
             gather["token"] = peer_token(self.cfg.run_secret, self.peer_id)
         try:
@@ -471,17 +587,22 @@ class RoundRunner:
         members, report = result["gathered"], result["report"]
         outcome = RoundOutcome(ok=False, members=members, report=report)
         # every member derives the same policy from the same announcements
-        policy = ContributionPolicy.from_gathered(list(members.values()), max_norm_ratio=self.cfg.max_norm_ratio)
+        merge = diloco.merge_weights(list(members.values()), self.cfg.anchor_tolerance) if report.merged else None
+        policy = ContributionPolicy.from_gathered(list(members.values()), max_norm_ratio=self.cfg.max_norm_ratio,
+                                                  merge=merge)
         mine = list(members).index(self.peer_id) if self.peer_id in members else -1
         if policy.valid < self.cfg.min_group_size:
             outcome.reason = f"only {policy.valid} usable contribution(s) in a group of {len(members)}"
         else:
             with self.averager.get_tensors() as (buffer,):
-                average = buffer.clone()
-            finite = bool(torch.isfinite(average).all())
+                average = buffer[:n].clone() if merging is not None else buffer.clone()
+                if report.merged:
+                    outcome.anchor, outcome.momentum = buffer[n:2 * n].clone(), buffer[2 * n:].clone()
+            finite = all(bool(torch.isfinite(t).all()) for t in (average, outcome.anchor, outcome.momentum)
+                         if t is not None)
             # hivemind adds the group's delta to our own values: if the reducers excluded ours, our
             # copy of the average is off, but the round is fine for the others
-            own_bad = mine < 0 or policy.excluded[mine]
+            own_bad = mine < 0 or policy.excluded[mine] or self.peer_id in report.rejected
             verdict = ABSTAIN if (report.complete and own_bad) else (report.complete and finite)
             all_ok, why = self._agree(report.group_id, list(members), verdict)
             if not report.complete:

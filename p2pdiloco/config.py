@@ -89,8 +89,18 @@ class Config:
                                   "live peers), so that several small groups move the anchor as far as one full "
                                   "group would (see docs/benchmarks.md).")
     anchor_tolerance: float = _f(
-        1e-3, "Relative anchor difference within a round above which members count as diverged and resync."
+        1e-3, "Relative anchor difference within a round above which members count as diverged (and merge or "
+              "resync)."
     )
+    merge_anchors: bool = _f(True, "Members whose anchors differ average their anchors and outer momenta in the "
+                                   "round (fp32, members at the newest outer step only) instead of discarding "
+                                   "the round and downloading a state; a peer too stale also catches up this way.")
+    eager_outer: bool = _f(True, "Eager outer updates: while a round runs, train from the anchor that our own "
+                                  "pseudo-gradient would give, corrected when the group's average arrives.")
+    dynamic_inner_steps: bool = _f(False, "Scale inner_steps by this peer's speed over the swarm's mean (from the "
+                                          "progress records), so that every peer is due at the same moment.")
+    full_groups: bool = _f(True, "A group forms as soon as every live peer (by their progress records) has "
+                                 "joined it, instead of waiting out the matchmaking window.")
 
     # --- averaging rounds (hivemind) -----------------------------------------------------
     target_group_size: int = _f(16, "Largest averaging group; whoever is ready in the window joins, up to this many.")
@@ -249,6 +259,8 @@ class Config:
             shared = {"run_id": self.run_id, "model_signature": self.model_signature}
         if self.compression in ("int8", "int4") or self.outer_apply != "group":  # fp16 and fp32 interoperate
             shared.update(compression=self.compression, outer_apply=self.outer_apply)
+        if not self.merge_anchors:  # the averaged buffer has another shape: such peers cannot meet
+            shared.update(merge_anchors=False)
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:12]
 
     @property

@@ -18,6 +18,7 @@ All tensors here are flat fp32 vectors on the CPU.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -62,6 +63,48 @@ def inner_lr_at(position: int, *, inner_lr: float, warmup_steps: int, total_step
     progress = min(1.0, (position - warmup_steps) / max(1, total_steps - warmup_steps))
     return inner_lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
+
+def preview_outer_step(anchor: torch.Tensor, momentum: torch.Tensor, pseudo_grad: torch.Tensor, *,
+                       outer_lr: float, outer_momentum: float) -> torch.Tensor:
+    """Where `outer_step_` would move the anchor with this pseudo-gradient, without moving it: the
+    eager update trains the round in flight from here, with its own pseudo-gradient standing in for
+    the group's average until that arrives (Kale et al., arXiv 2502.12996)."""
+    return anchor - outer_lr * (pseudo_grad + outer_momentum * (outer_momentum * momentum + pseudo_grad))
+
+
+def anchors_differ(digests: list, tolerance: float) -> bool:
+    """True when some two members' anchor digests are further apart than `tolerance`."""
+    return any(digest_spread(a, b) > tolerance for i, a in enumerate(digests) for b in digests[i + 1:])
+
+
+def merge_weights(members: list, tolerance: float) -> Optional[list[float]]:
+    """The plan of a merge round, from what the members announced (digest, outer_step), or None
+    when their anchors agree and the round averages pseudo-gradients only.
+
+    When they differ, the round also averages anchors and outer momenta, so that nobody's outer
+    progress is thrown away and every member leaves with the same anchor (arXiv 2506.10911 pulls
+    anchors toward the group mean; here the pull is complete). Members at the group's newest outer
+    step weigh 1 and the others 0: a member that missed rounds adopts the others' anchor, while
+    groups that stepped apart (equal outer steps) meet in the middle."""
+    digests = [m.get("digest") if isinstance(m, dict) else None for m in members]
+    if len(members) < 2 or any(not isinstance(d, list) for d in digests):
+        return None
+    if not anchors_differ(digests, tolerance):
+        return None
+    steps = [m.get("outer_step") if isinstance(m.get("outer_step"), int) else -1 for m in members]
+    newest = max(steps)
+    return [1.0 if s == newest else 0.0 for s in steps]
+
+
+def dynamic_inner_steps(inner_steps: int, own_speed, speeds: list, *, bound: float = 4.0) -> int:
+    """Dynamic local updates (Liu et al., arXiv 2401.09135): H scaled by this peer's speed over the
+    swarm's mean, so that fast and slow peers are due at the same moment and a round carries
+    inner_steps steps per peer on average. Unknown speeds give H; the scale stays within [1/bound, bound]."""
+    known = [s for s in speeds if isinstance(s, (int, float)) and math.isfinite(s) and s > 0]
+    if not known or not isinstance(own_speed, (int, float)) or not math.isfinite(own_speed) or own_speed <= 0:
+        return inner_steps
+    scale = min(bound, max(1.0 / bound, own_speed / (sum(known) / len(known))))
+    return max(1, round(inner_steps * scale))
 
 def digest_indices(numel: int) -> torch.Tensor:
     """Fixed positions (the same on every peer of a model config) sampled for the anchor digest."""

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import zlib
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -34,8 +35,9 @@ from p2pdiloco.model import build_model, flat_params, load_flat_, num_params
 logger = logging.getLogger(__name__)
 
 
-# Test-only: make this peer corrupt its own outgoing pseudo-gradient ("nan", "inf" or "huge"), so
-# tests can check that unmodified receivers reject or clip it.
+# Test-only: make this peer corrupt its own outgoing pseudo-gradient ("nan", "inf" or "huge"), or the
+# anchor it offers to merge rounds ("anchor_nan", ...), so tests can check that unmodified receivers
+# reject it.
 TEST_CORRUPT = os.environ.get("P2PDILOCO_TEST_CORRUPT", "")
 
 
@@ -50,6 +52,19 @@ def corrupt_for_test(delta: torch.Tensor, how: str) -> torch.Tensor:
     else:
         raise ValueError(f"P2PDILOCO_TEST_CORRUPT must be nan, inf or huge, got {how!r}")
     return delta
+
+
+@dataclass
+class PendingRound:
+    """The round in flight, and what applying (or discarding) it needs."""
+
+    future: concurrent.futures.Future  # -> RoundOutcome
+    snapshot: torch.Tensor  # the local weights the pseudo-gradient was taken from
+    base: torch.Tensor      # what the local model has trained from since: the snapshot, or the eager preview
+    tokens: int             # tokens behind the pseudo-gradient
+    weight: float
+    age: int                # outer steps behind the swarm when it started
+    formed_at_step: Optional[int] = None  # our inner step when the group formed (set from the round's thread)
 
 
 def pick_device(name: str) -> torch.device:
@@ -151,8 +166,11 @@ class Peer:
         swarm.check_run_config(self.dht, cfg)
         self._announced = time.monotonic()
         slots = cfg.target_group_size if cfg.outer_apply == "per_contribution" else 1
-        self.averager = DilocoAverager([torch.zeros(self.numel * slots)], self.dht, cfg=cfg,
-                                       state_fn=self.shared_state, slots=slots)
+        # merge_anchors: one buffer for [pseudo-gradient | anchor | momentum], the last two used by merge rounds
+        self.merging = cfg.merge_anchors and slots == 1
+        self.averager = DilocoAverager([torch.zeros(self.numel * (3 if self.merging else slots))], self.dht,
+                                       cfg=cfg, state_fn=self.shared_state, slots=slots,
+                                       merge_size=self.numel if self.merging else 0)
         self.rounds = RoundRunner(self.averager, self.dht, cfg)
         # again: hivemind's averager sets SIGINT to ignored when it starts
         if self.handle_signals:
@@ -297,8 +315,11 @@ class Peer:
         self.steps_since_round = 0
         self.swarm_outer_step = self.outer_step
         self.swarm_size = 1
+        self.due_steps = self.cfg.inner_steps  # inner steps per contribution (dynamic_inner_steps scales them)
+        # eager outer updates need training while a round runs (not synchronous DiLoCo)
+        self.eager = self.cfg.eager_outer and not self.cfg.sync_rounds and self.cfg.outer_apply == "group"
         self._progress_reading = None
-        self.pending = None  # the round in flight: (future, snapshot, tokens, weight, age)
+        self.pending: Optional[PendingRound] = None
         self.t_start = self._last_log = self._last_step = time.monotonic()
         self.compute_s = 0.0  # inside forward, backward and the optimizer step: the utilization numerator
         self._loss_sum, self._loss_n, self._tokens_at_log = 0.0, 0, 0
@@ -368,12 +389,12 @@ class Peer:
 
         # --- outer step: a round came back -----------------------------------------
         applied = False
-        if self.pending is not None and self.pending[0].done():
+        if self.pending is not None and self.pending.future.done():
             pending, self.pending = self.pending, None
             applied = self._finish_round(pending)
 
         # --- every inner_steps steps: hand the pseudo-gradient to a background round ----
-        if self.pending is None and self.steps_since_round >= cfg.inner_steps:
+        if self.pending is None and self.steps_since_round >= self.due_steps:
             self.pending = self._start_round()
             if cfg.sync_rounds:
                 applied = self._wait_round_sync(self.t_start) or applied
@@ -393,8 +414,8 @@ class Peer:
         wall_s = time.monotonic() - self.t_start
         if self.leader:
             if self.pending is not None and not self.stop_event.is_set():
-                concurrent.futures.wait([self.pending[0]], timeout=self._round_bound())
-            if self.pending is not None and self.pending[0].done():
+                concurrent.futures.wait([self.pending.future], timeout=self._round_bound())
+            if self.pending is not None and self.pending.future.done():
                 pending, self.pending = self.pending, None
                 self._finish_round(pending)
         extra = {}
@@ -426,8 +447,8 @@ class Peer:
     def _wait_round_sync(self, t_start: float) -> bool:
         """Synchronous DiLoCo: no training until a full round applies (retried while the group is short)."""
         while self.pending is not None and not self.stop_event.is_set() and not self._out_of_time(t_start):
-            concurrent.futures.wait([self.pending[0]], timeout=0.5)
-            if self.pending[0].done():
+            concurrent.futures.wait([self.pending.future], timeout=0.5)
+            if self.pending.future.done():
                 pending, self.pending = self.pending, None
                 if self._finish_round(pending):
                     return True
@@ -471,6 +492,10 @@ class Peer:
     def _note_progress(self, records: dict) -> None:
         self.swarm_outer_step = max([self.outer_step, *(r.get("outer_step", 0) for r in records.values())])
         self.swarm_size = len(set(records) | {self.peer_id})  # live peers: records expire
+        if self.cfg.dynamic_inner_steps and not self.cfg.sync_rounds:
+            speeds = {peer: r.get("tokens_per_s") for peer, r in records.items()}
+            self.due_steps = diloco.dynamic_inner_steps(self.cfg.inner_steps, speeds.get(self.peer_id),
+                                                        list(speeds.values()))
 
     def _refresh_swarm_outer_step(self) -> None:
         """The highest outer step in the peers' progress records (read in the background)."""
@@ -489,32 +514,58 @@ class Peer:
     def _start_round(self):
         cfg = self.cfg
         age = max(0, self.swarm_outer_step - self.outer_step)
-        if age > cfg.max_staleness:
+        too_stale = age > cfg.max_staleness
+        if too_stale and not self.merging:
             self._resync(f"{age} outer steps behind the swarm", keep_local=False)
             return None
         snapshot = flat_params(self.model)
         with self.state_lock:
             delta = diloco.pseudo_grad(self.anchor, snapshot)
             digest = diloco.anchor_digest(self.anchor, self.digest_idx)
-        if TEST_CORRUPT:
+            anchor, momentum = (self.anchor.clone(), self.momentum.clone()) if self.merging else (None, None)
+        if too_stale:  # too old to help: contribute nothing, take the group's anchor in the merge round
+            delta.zero_()
+        if TEST_CORRUPT.startswith("anchor_") and anchor is not None:  # its digest differs: every round merges
+            anchor = corrupt_for_test(anchor, TEST_CORRUPT.removeprefix("anchor_"))
+            digest = [v + 1.0 for v in digest]
+        elif TEST_CORRUPT:
             delta = corrupt_for_test(delta, TEST_CORRUPT)
         # per_contribution: equal weights, so slot j of the average is member j's pseudo-gradient / group size
         weight = 1.0 if cfg.outer_apply == "per_contribution" else contribution_weight(self.tokens_since_anchor, age)
         gather = {"peer": self.peer_id, "outer_step": self.outer_step, "tokens": self.tokens_since_anchor,
                   "digest": digest, "swarm": self.swarm_size}
+        if cfg.full_groups:  # everyone live is expected: the group forms once they are all in
+            live = min(cfg.target_group_size, self.swarm_size)
+            self.averager.set_target_group_size(live if live >= max(2, cfg.min_group_size) else cfg.target_group_size)
+        base = snapshot
+        if self.eager:  # train the round in flight from where the anchor will about be (arXiv 2502.12996)
+            with self.state_lock:
+                base = diloco.preview_outer_step(self.anchor, self.momentum, delta, outer_lr=cfg.outer_lr,
+                                                 outer_momentum=cfg.outer_momentum)
+            load_flat_(self.model, base)
+            self._params_changed = True
         self.steps_since_round = 0
         outer_step = self.outer_step
-        future = self.rounds.start(delta, weight=weight, gather=gather, on_allreduce=lambda: self.metrics.log(
-            "allreduce_started", outer_step=outer_step))
-        return future, snapshot, self.tokens_since_anchor, weight, age
 
-    def _finish_round(self, pending) -> bool:
+        def formed() -> None:  # in the round's thread
+            pending.formed_at_step = self.inner_step
+            self.metrics.log("allreduce_started", outer_step=outer_step)
+
+        pending = PendingRound(None, snapshot, base, self.tokens_since_anchor, weight, age)
+        pending.future = self.rounds.start(delta, weight=weight, gather=gather, anchor=anchor, momentum=momentum,
+                                           on_allreduce=formed)
+        return pending
+
+    def _finish_round(self, pending: PendingRound) -> bool:
         """Apply the round's average as one outer step (True), or discard it (False)."""
-        future, snapshot, tokens, weight, age = pending
-        outcome: RoundOutcome = future.result()
+        snapshot, base, tokens, weight, age = pending.snapshot, pending.base, pending.tokens, pending.weight, pending.age
+        outcome: RoundOutcome = pending.future.result()
         if outcome.report is not None:
             for peer, why in outcome.report.rejected.items():
                 self.metrics.log("bad_contribution", sender=peer, reason=why, outer_step=self.outer_step)
+        if not outcome.ok and base is not snapshot:  # eager: back onto our own anchor, our work kept
+            load_flat_(self.model, diloco.merge_local(snapshot, flat_params(self.model), base))
+            self._params_changed = True
         if not outcome.ok:
             self.metrics.log("round_failed", reason=outcome.reason, outer_step=self.outer_step,
                              round_s=outcome.round_s)
@@ -525,7 +576,8 @@ class Peer:
         reference = max(members, key=lambda m: (m["outer_step"], m["peer"]))
         mine = outcome.members[self.peer_id]
         spread = max(diloco.digest_spread(m["digest"], reference["digest"]) for m in members)
-        if diloco.digest_spread(mine["digest"], reference["digest"]) > self.cfg.anchor_tolerance:
+        merged = outcome.anchor is not None
+        if not merged and diloco.digest_spread(mine["digest"], reference["digest"]) > self.cfg.anchor_tolerance:
             self._snapshot = snapshot
             # the reference members apply this round: wait until one of them offers the result
             self._resync(f"anchor differs from the group's (spread {spread:.2e})", keep_local=True,
@@ -536,6 +588,8 @@ class Peer:
         # every member derives the same share from the same announcements, so anchors stay equal
         share = diloco.group_share([m.get("swarm", 1) for m in members]) if self.cfg.group_share else 1.0
         with self.state_lock:
+            if merged:  # everyone's anchor and momentum, merged in the round: nobody's progress is lost
+                self.anchor, self.momentum = outcome.anchor, outcome.momentum
             if self.cfg.outer_apply == "per_contribution":  # the negative control: momentum per contribution
                 for contribution in outcome.average.view(-1, self.numel)[:len(members)]:
                     diloco.outer_step_(self.anchor, self.momentum, contribution * len(members),
@@ -545,9 +599,13 @@ class Peer:
                                    outer_momentum=self.cfg.outer_momentum)
             self.outer_step = max(m["outer_step"] for m in members) + 1
         local = flat_params(self.model)
-        load_flat_(self.model, diloco.merge_local(self.anchor, local, snapshot))
+        load_flat_(self.model, diloco.merge_local(self.anchor, local, base))
         self._params_changed = True
         self.tokens_since_anchor -= tokens
+        if self.cfg.full_groups and pending.formed_at_step is not None:
+            # count the next inner_steps from the moment the group formed, the same for every member: the
+            # group's next round then finds them all ready at once instead of spread over the window
+            self.steps_since_round = self.inner_step - pending.formed_at_step
         self.swarm_outer_step = max(self.swarm_outer_step, self.outer_step)
         if not self.cfg.client_mode:
             self.averager.state_sharing_priority = float(self.outer_step)
@@ -561,7 +619,8 @@ class Peer:
         self.metrics.log("outer", outer_step=self.outer_step, group_size=len(members), share=share, weight=weight,
                          tokens=tokens, staleness=age, round_s=outcome.round_s, bytes_sent=report.bytes_sent,
                          bytes_recv=report.bytes_recv, anchor_spread=spread, eval_loss=eval_loss,
-                         diverged_members=diverged)
+                         diverged_members=diverged, merged=merged, swarm_size=self.swarm_size,
+                         digest=diloco.anchor_digest(self.anchor, self.digest_idx))
         if self.outer_step % self.cfg.checkpoint_every == 0:
             self._save_checkpoint()
         return True
@@ -604,7 +663,7 @@ class Peer:
             self.averager = None
         # let DHT calls in flight (a round's verdict, a progress read) finish before the DHT goes:
         # hivemind's DHT can hang on shutdown when a request arrives while it stops
-        for future in (self.pending[0] if self.pending else None, self._progress_reading):
+        for future in (self.pending.future if self.pending else None, self._progress_reading):
             if future is not None:
                 try:
                     future.result(timeout=2.0)

@@ -3,6 +3,9 @@
 
     python scripts/bench.py quality     # final eval loss: DDP, sync DiLoCo, decoupled H=50/100, codecs,
                                         #   and the negative control (Nesterov per contribution)
+    python scripts/bench.py ablation    # the decoupled swarm's mechanisms on and off, at H and 2H, next to
+                                        #   sync DiLoCo (--variants picks some; --size long for the long budget)
+    python scripts/bench.py sweep       # outer_lr x outer_momentum for sync DiLoCo and the decoupled swarm, at H
     python scripts/bench.py traffic     # bytes on the wire per peer per inner step (network namespaces)
     python scripts/bench.py stragglers  # one peer 4x slower: swarm tokens/s, time to a target loss
     python scripts/bench.py slowlinks   # 50 Mbit/s links (tc tbf): wall time and compute utilization
@@ -62,12 +65,40 @@ SIZES = {
     "default": Size(peers=4, steps=1500, duration=150.0, eval_batches=16, parallel=1, inner_steps=50),
     "quick": Size(peers=2, steps=80, duration=20.0, eval_batches=2, parallel=8, inner_steps=20, overhead_factor=3,
                   pace=3.0),
+    # 120 outer steps of synchronous DiLoCo at H=50: long enough that DiLoCo's outer loop, not the budget, decides
+    "long": Size(peers=4, steps=6000, duration=600.0, eval_batches=16, parallel=1, inner_steps=50),
+}
+
+# The decoupled swarm's mechanisms (config keys), each switched on and off for `bench.py ablation`:
+# "all" is the defaults, "none" the first version (identical anchors, resync by download on a mismatch).
+MECHANISMS = ("merge_anchors", "full_groups", "eager_outer", "dynamic_inner_steps")
+DEFAULTS = {"merge_anchors": True, "full_groups": True, "eager_outer": True}
+VARIANTS = {
+    "none": {},
+    "all": DEFAULTS,
+    "no_merge": {**DEFAULTS, "merge_anchors": False},
+    "no_full": {**DEFAULTS, "full_groups": False},
+    "no_eager": {**DEFAULTS, "eager_outer": False},
+    "all_dynamic": {**DEFAULTS, "dynamic_inner_steps": True},
+    "all_share": {**DEFAULTS, "group_share": True},
 }
 
 
+# `bench.py sweep`: the outer optimizer's grid, for both modes
+SWEEP_OUTER_LR = (0.5, 0.7, 1.0)
+SWEEP_OUTER_MOMENTUM = (0.6, 0.9)
+
+
+def variant(name: str) -> dict:
+    """A variant's overrides: its mechanisms on, the others off."""
+    return {**{m: False for m in MECHANISMS}, **VARIANTS[name]}
+
+
 class Bench:
-    def __init__(self, out: Path, size: Size, *, seed: int, data: str):
+    def __init__(self, out: Path, size: Size, *, seed: int, data: str, variants: tuple = tuple(VARIANTS),
+                 extra: dict | None = None):
         self.out, self.size, self.seed, self.data = out, size, seed, data
+        self.variants, self.extra = variants, extra or {}
 
     def common(self, steps: int) -> dict:
         """Config shared by every run of a comparison: the lr schedule spans the budget."""
@@ -158,6 +189,41 @@ class Bench:
         return {"runs": runs, "gaps_pct": [{"what": w, "pct": p, "target_pct": t, "met": p <= t} for w, p, t in checks],
                 "negative_control": {"what": "Nesterov per contribution vs per group (H=50)", "pct": control,
                                      "seen": control > 1.0}}
+
+    def ablation(self) -> dict:
+        """Each variant of the decoupled swarm at H and 2H, next to synchronous DiLoCo on the same tokens
+        (and DDP, once): final eval loss, applied rounds, full groups, merges, resyncs, anchor spread."""
+        n, steps, H = self.size.peers, self.size.steps, self.size.inner_steps
+        base = {**self.common(steps), "max_inner_steps": steps, "slowdown": self.size.pace, "target_group_size": n,
+                **self.extra}
+        jobs = [(self.ddp, dict(name="ddp", steps=steps, overrides=base))]
+        for h in (H, 2 * H):
+            jobs.append((self.swarm, dict(name=f"sync_h{h}", overrides={**base, "inner_steps": h, "sync_rounds": True,
+                                                                        "min_group_size": n, **variant("none")})))
+            jobs += [(self.swarm, dict(name=f"{v}_h{h}", overrides={**base, "inner_steps": h, **variant(v)}))
+                     for v in self.variants]
+        runs = {r["name"]: r for r in self.many(jobs)}
+        gaps = [{"what": f"{name} vs sync_h{name.rsplit('_h', 1)[1]}",
+                 "pct": 100 * (run["final_eval"] / runs[f"sync_h{name.rsplit('_h', 1)[1]}"]["final_eval"] - 1)}
+                for name, run in runs.items() if name != "ddp" and not name.startswith("sync")]
+        gaps += [{"what": f"sync_h{h} vs ddp", "pct": 100 * (runs[f"sync_h{h}"]["final_eval"] /
+                                                            runs["ddp"]["final_eval"] - 1)} for h in (H, 2 * H)]
+        return {"runs": runs, "gaps_pct": gaps, "variants": {v: variant(v) for v in self.variants}}
+
+    def sweep(self) -> dict:
+        """Tune both baselines before comparing them: final eval loss of synchronous DiLoCo and of the
+        decoupled swarm (its default mechanisms) over outer_lr x outer_momentum, at H."""
+        n, steps = self.size.peers, self.size.steps
+        base = {**self.common(steps), "max_inner_steps": steps, "slowdown": self.size.pace, "target_group_size": n,
+                **self.extra}
+        modes = {"sync": {"sync_rounds": True, "min_group_size": n, **variant("none")}, "decoupled": {}}
+        jobs = [(self.swarm, dict(name=f"{mode}_lr{lr}_m{mu}", overrides={**base, **extra, "outer_lr": lr,
+                                                                          "outer_momentum": mu}))
+                for mode, extra in modes.items() for lr in SWEEP_OUTER_LR for mu in SWEEP_OUTER_MOMENTUM]
+        runs = {r["name"]: r for r in self.many(jobs)}
+        best = {mode: min((r for name, r in runs.items() if name.startswith(mode)), key=lambda r: r["final_eval"])["name"]
+                for mode in modes}
+        return {"runs": runs, "best": best}
 
     def traffic(self) -> dict:
         ok, why = available()
@@ -299,6 +365,9 @@ def summarize_swarm(name: str, records: dict, before, after, slowdowns: dict) ->
                        "start": final["time"] - final["wall_s"] - final.get("final_wait_s", 0.0),
                        "rounds_failed": sum(r["event"] == "round_failed" for r in recs),
                        "resyncs": sum(r["event"] == "resync" for r in recs),
+                       "merges": sum(bool(r.get("merged")) for r in outer),
+                       "full_rounds": sum(r["group_size"] >= r.get("swarm_size", 0) for r in outer),
+                       "max_eval_jump_pct": max_eval_jump(outer),
                        "msg_bytes_sent": sum(r["bytes_sent"] for r in outer),
                        "msg_bytes_recv": sum(r["bytes_recv"] for r in outer)}
     start, end = min(p["start"] for p in peers.values()), max(p["end"] for p in peers.values())
@@ -311,8 +380,39 @@ def summarize_swarm(name: str, records: dict, before, after, slowdowns: dict) ->
            "compute_utilization": statistics.mean(p["compute_s"] / p["wall_s"] for p in peers.values()),
            "curve": curve, "eval_curve_losses": [c[2] for c in curve], "peers": peers,
            "msg_sent_per_step": sum(p["msg_bytes_sent"] for p in peers.values()) / steps}
+    applied = sum(p["outer_steps_applied"] for p in peers.values())
+    out.update(full_group_fraction=sum(p["full_rounds"] for p in peers.values()) / max(1, applied),
+               resyncs=sum(p["resyncs"] for p in peers.values()), merges=sum(p["merges"] for p in peers.values()),
+               max_eval_jump_pct=max(p["max_eval_jump_pct"] for p in peers.values()),
+               anchor_spread=anchor_spread_over_time(records))
     out.update(_wire(before, after, steps))
     return out
+
+
+def max_eval_jump(outer: list, after_step: int = 5) -> float:
+    """The largest rise of the anchor's eval loss between two consecutive evaluated outer steps of a
+    peer, in percent, once past the first `after_step` outer steps (warmup)."""
+    evals = [r["eval_loss"] for r in outer if r.get("eval_loss") is not None and r["outer_step"] > after_step]
+    return max([100 * (b / a - 1) for a, b in zip(evals, evals[1:])], default=0.0)
+
+
+def anchor_spread_over_time(records: dict, tolerance: float = 1e-3) -> dict:
+    """Agreement of the peers' anchors over the run: for every outer step that two or more peers
+    applied, the largest digest spread (diloco.digest_spread) between their anchors at that step;
+    `agree` is the fraction of those steps on which all of them agreed within `tolerance`."""
+    from p2pdiloco.diloco import digest_spread
+
+    by_step: dict = {}
+    for recs in records.values():
+        for r in recs:
+            if r["event"] == "outer" and r.get("digest"):
+                by_step.setdefault(r["outer_step"], []).append(r["digest"])
+    spreads = sorted(max(digest_spread(a, b) for i, a in enumerate(ds) for b in ds[i + 1:])
+                     for ds in by_step.values() if len(ds) >= 2)
+    if not spreads:
+        return {"median": None, "p90": None, "max": None, "agree": None}
+    return {"median": spreads[len(spreads) // 2], "p90": spreads[int(0.9 * (len(spreads) - 1))],
+            "max": spreads[-1], "agree": sum(v <= tolerance for v in spreads) / len(spreads)}
 
 
 def swarm_curve(records: dict, start: float) -> list:
@@ -419,13 +519,18 @@ def bare_main(steps: int, seed: int, overrides: dict, preset: str = PRESET) -> N
 
 # ------------------------------------------------------------------------------ main
 
-COMPARISONS = ("quality", "traffic", "stragglers", "slowlinks", "overhead")
+COMPARISONS = ("quality", "ablation", "sweep", "traffic", "stragglers", "slowlinks", "overhead")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("comparison", nargs="+", choices=[*COMPARISONS, "all", "gpu", "_bare"])
     parser.add_argument("--quick", action="store_true", help="tiny size for the tests (numbers mean nothing)")
+    parser.add_argument("--size", choices=sorted(SIZES), default="", help="default, long or quick (= --quick)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"ablation: comma-separated variants of {', '.join(VARIANTS)}")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="ablation: a config override for every run (e.g. outer_lr=0.7), repeatable")
     parser.add_argument("--out", default="", help="output directory (default: a new temporary directory)")
     parser.add_argument("--repeat", type=int, default=1, help="run everything this many times (seeds 0, 1, ...)")
     parser.add_argument("--data", default="", help="corpus file (default: the bundled Shakespeare corpus)")
@@ -440,7 +545,20 @@ def main(argv=None) -> int:
         return 0
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
-    size = SIZES["quick" if args.quick else "default"]
+    size = SIZES[args.size or ("quick" if args.quick else "default")]
+    variants = tuple(v for v in args.variants.split(",") if v)
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    extra = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--set wants KEY=VALUE, got {item!r}")
+        try:  # numbers and booleans as JSON, anything else as a string
+            extra[key] = json.loads(value)
+        except json.JSONDecodeError:
+            extra[key] = value
     if args.steps:
         size = replace(size, steps=args.steps)
     if args.duration:
@@ -453,7 +571,7 @@ def main(argv=None) -> int:
     results.update(size=size.__dict__, machine=machine())
     failures = []
     for seed in range(args.seed, args.seed + args.repeat):
-        bench = Bench(out, size, seed=seed, data=args.data)
+        bench = Bench(out, size, seed=seed, data=args.data, variants=variants, extra=extra)
         for name in names:
             t0 = time.monotonic()
             print(f"bench: {name} (seed {seed}) ...", flush=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 
 import hivemind
 import pytest
@@ -136,3 +137,88 @@ def test_per_contribution_slots_return_each_members_pseudo_grad():
         order = [m["i"] for m in o.members.values()]  # slots follow the group's order
         for slot, member in enumerate(order):
             torch.testing.assert_close(o.average[slot * N:(slot + 1) * N] * size, grads[member], atol=1e-5, rtol=1e-5)
+
+
+@contextlib.contextmanager
+def merging_peers(count: int):
+    """Like peers(), with merge-capable averagers: one buffer of [pseudo-gradient | anchor | momentum]."""
+    cfg = Config(host_maddrs=["/ip4/127.0.0.1/tcp/0"], matchmaking_time=2.0, request_timeout=1.0,
+                 allreduce_timeout=10.0, run_id="mergetest", target_group_size=count)
+    dhts, averagers = [], []
+    try:
+        dhts.append(hivemind.DHT(start=True, **LOOPBACK_DHT))
+        first = [str(a) for a in dhts[0].get_visible_maddrs()]
+        for _ in range(count - 1):
+            dhts.append(hivemind.DHT(start=True, initial_peers=first, **LOOPBACK_DHT))
+        for dht in dhts:
+            averagers.append(DilocoAverager([torch.zeros(3 * N)], dht, cfg=cfg, state_fn=lambda: ({}, []),
+                                            merge_size=N))
+        yield cfg, [RoundRunner(a, d, cfg) for a, d in zip(averagers, dhts)]
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
+def _merge_round(runners, anchors, momenta, grads, steps, weights):
+    from p2pdiloco import diloco
+
+    idx = diloco.digest_indices(N)
+    futures = [r.start(g, weight=w, anchor=a, momentum=m,
+                       gather={"i": i, "outer_step": s, "digest": diloco.anchor_digest(a, idx)})
+               for i, (r, a, m, g, s, w) in enumerate(zip(runners, anchors, momenta, grads, steps, weights))]
+    return [f.result(timeout=60) for f in futures]
+
+
+def test_members_whose_anchors_differ_merge_them_in_the_round():
+    """Two members stepped apart (outer step 4, different anchors), one is behind (outer step 3):
+    the round averages the pseudo-gradients and, in fp32, the anchors and momenta of the two at
+    the newest outer step; every member leaves with them, the one behind included."""
+    with merging_peers(3) as (cfg, runners):
+        anchors = [torch.randn(N) for _ in range(3)]
+        momenta = [torch.randn(N) * 0.1 for _ in range(3)]
+        grads = [torch.randn(N) * 0.01 for _ in range(3)]
+        weights = [1.0, 2.0, 1.0]
+        outcomes = _merge_round(runners, anchors, momenta, grads, [4, 4, 3], weights)
+    expected_grad = sum(w * g for w, g in zip(weights, grads)) / sum(weights)
+    for o in outcomes:
+        assert o.ok, o.reason
+        assert o.report.merged and not o.report.rejected
+        torch.testing.assert_close(o.anchor, (anchors[0] + anchors[1]) / 2, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(o.momentum, (momenta[0] + momenta[1]) / 2, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(o.average, expected_grad, atol=1e-6, rtol=1e-5)
+    for o in outcomes[1:]:  # fp32: the members' anchors agree far inside anchor_tolerance
+        assert float((o.anchor - outcomes[0].anchor).norm() / outcomes[0].anchor.norm()) < 1e-6
+
+
+def test_agreeing_anchors_average_pseudo_grads_only():
+    with merging_peers(2) as (cfg, runners):
+        anchor, momentum = torch.randn(N), torch.randn(N)
+        grads = [torch.randn(N), torch.randn(N)]
+        outcomes = _merge_round(runners, [anchor, anchor.clone()], [momentum, momentum.clone()], grads, [2, 2],
+                                [1.0, 1.0])
+    for o in outcomes:
+        assert o.ok, o.reason
+        assert not o.report.merged and o.anchor is None and o.momentum is None
+        torch.testing.assert_close(o.average, (grads[0] + grads[1]) / 2, atol=5e-3, rtol=5e-3)
+        # fp16 transport of one vector of N, not fp32 of three
+        assert o.report.bytes_sent < 2 * N * 2 * 1.2
+
+
+@pytest.mark.parametrize("poison", ["nan", "huge"])
+def test_poisoned_anchor_is_excluded_from_the_merge(poison):
+    """A member whose anchor is not finite or far outside the group's is excluded like a poisoned
+    pseudo-gradient: the others merge without it and it never applies the round."""
+    with merging_peers(3) as (cfg, runners):
+        anchors = [torch.randn(N) for _ in range(3)]
+        anchors[2] = anchors[2] * 1e6 if poison == "huge" else anchors[2].masked_fill(torch.rand(N) < 0.1, math.nan)
+        momenta = [torch.randn(N) * 0.1 for _ in range(3)]
+        grads = [torch.randn(N) * 0.01 for _ in range(3)]
+        outcomes = _merge_round(runners, anchors, momenta, grads, [4, 4, 4], [1.0, 1.0, 1.0])
+    for o in outcomes[:2]:
+        assert o.ok, o.reason
+        assert o.report.merged and "anchor_norm" in " ".join(o.report.rejected.values())
+        torch.testing.assert_close(o.anchor, (anchors[0] + anchors[1]) / 2, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(o.average, (grads[0] + grads[1]) / 2, atol=1e-6, rtol=1e-5)
+    assert not outcomes[2].ok and "rejected" in outcomes[2].reason

@@ -116,7 +116,7 @@ def test_sigkill_mid_allreduce_never_applies_partial(swarm):
         assert all(math.isfinite(r["eval_loss"]) for r in swarm.events(n, "outer"))
 
 
-def test_sigstop_longer_than_allreduce_timeout_then_resync(swarm):
+def test_sigstop_longer_than_allreduce_timeout_then_catch_up_by_merge(swarm):
     start_three(swarm)
     swarm.signal("c", signal.SIGSTOP)
     t_stop = time.time()
@@ -129,11 +129,12 @@ def test_sigstop_longer_than_allreduce_timeout_then_resync(swarm):
     finally:
         swarm.signal("c", signal.SIGCONT)
     t_cont = time.time()
-    swarm.wait_for(lambda: [r for r in swarm.events("c", "resync") if r["time"] > t_cont], timeout=60,
-                   what="c resyncs after it wakes up")
-    # c's first applied step after waking is on top of the swarm's state, not its stale anchor
+    # c's first applied step after waking is on top of the swarm's state, not its stale anchor: its
+    # anchor differs, so the round merges and c takes a's and b's (newer) anchor, with no download
     swarm.wait_for(lambda: applied_after(swarm, "c", t_cont), timeout=90, what="c contributes again")
-    assert applied_after(swarm, "c", t_cont)[0]["outer_step"] > before["a"] + 3
+    first = applied_after(swarm, "c", t_cont)[0]
+    assert first["merged"] and first["outer_step"] > before["a"] + 3, first
+    assert not [r for r in swarm.events("c", "resync") if r["time"] > t_cont], "no state download"
     assert_anchors_agree(swarm, "abc", after=t_cont)
 
 
@@ -218,3 +219,33 @@ def test_faulty_peers_are_excluded_and_model_stays_finite(swarm):
     for n in "xy":
         assert all(math.isfinite(r["eval_loss"]) for r in swarm.events(n, "outer"))
         assert any("our own contribution was rejected" in r["reason"] for r in swarm.events(n, "round_failed"))
+
+
+def test_poisoned_anchor_in_merge_rounds_is_excluded(swarm):
+    """z offers merge rounds a NaN anchor (and a digest that differs, so every round with it
+    merges): a and b exclude it, like a poisoned pseudo-gradient, and keep a finite, learning model."""
+    swarm.start("a")
+    swarm.start("b", join="a")
+    swarm.env["P2PDILOCO_TEST_CORRUPT"] = "anchor_nan"
+    try:
+        swarm.start("z", join="a")
+    finally:
+        del swarm.env["P2PDILOCO_TEST_CORRUPT"]
+    anchor_rejected = lambda n: [r for r in swarm.events(n, "bad_contribution") if "anchor" in r["reason"]]  # noqa: E731
+    swarm.wait_for(lambda: all(anchor_rejected(n) for n in "ab"), timeout=120,
+                   what="z's anchor rejected in a merge round with a and b")
+    t0 = time.time()
+    swarm.wait_for(lambda: all(len(applied_after(swarm, n, t0)) >= 3 for n in "ab"), timeout=120,
+                   what="a and b keep applying rounds")
+    poisoned = swarm.events("z", "inner")[0]["peer"]
+    for n in "ab":
+        bad = swarm.events(n, "bad_contribution")
+        assert {r["sender"] for r in bad} == {poisoned}, bad
+        assert {r["sender"] for r in anchor_rejected(n)} == {poisoned}
+        outer = swarm.events(n, "outer")
+        assert all(math.isfinite(r["eval_loss"]) for r in outer)
+        assert outer[-1]["eval_loss"] < math.log(256) - 1.0
+    assert_anchors_agree(swarm, "ab", after=t0)
+    # z never applies a round that its own anchor took part in; whatever it applies is finite
+    assert all(math.isfinite(r["eval_loss"]) for r in swarm.events("z", "outer"))
+    assert any("our own contribution was rejected" in r["reason"] for r in swarm.events("z", "round_failed"))

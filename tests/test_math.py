@@ -403,3 +403,107 @@ def test_group_share_is_members_over_the_lower_median_view():
     assert diloco.group_share([4, 10**9, 4]) == 0.75                # one liar moves nothing
     assert diloco.group_share([4, float("nan"), "x"]) == 1.0        # bad views count as 1
     assert diloco.group_share([]) == 1.0
+
+
+# --- eager outer updates -----------------------------------------------------------------------
+
+
+def test_preview_outer_step_is_the_step_outer_step_would_take():
+    anchor, momentum = torch.randn(300, generator=_gen(40)), torch.randn(300, generator=_gen(41))
+    g = torch.randn(300, generator=_gen(42))
+    preview = diloco.preview_outer_step(anchor, momentum, g, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
+    a, m = anchor.clone(), momentum.clone()
+    diloco.outer_step_(a, m, g, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
+    assert_close(preview, a)
+    # nothing moved: the preview is only where the local model trains while the round runs
+    assert_close(anchor, torch.randn(300, generator=_gen(40)))
+    assert_close(momentum, torch.randn(300, generator=_gen(41)))
+
+
+def test_eager_correction_lands_where_a_late_merge_would():
+    """Training from the preview and moving the progress onto the real new anchor afterwards leaves
+    the same weights as training from the snapshot and merging (the progress is kept either way)."""
+    anchor, momentum = torch.randn(50, generator=_gen(43)), torch.zeros(50)
+    snapshot = torch.randn(50, generator=_gen(44))
+    progress = torch.randn(50, generator=_gen(45)) * 0.01
+    g_own, g_avg = anchor - snapshot, torch.randn(50, generator=_gen(46))
+    preview = diloco.preview_outer_step(anchor, momentum, g_own, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
+    new_anchor, m = anchor.clone(), momentum.clone()
+    diloco.outer_step_(new_anchor, m, g_avg, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
+    eager = diloco.merge_local(new_anchor, preview + progress, preview)
+    late = diloco.merge_local(new_anchor, snapshot + progress, snapshot)
+    assert_close(eager, late)
+    # a failed round moves the progress back onto the snapshot: our own work is kept for the next round
+    assert_close(diloco.merge_local(snapshot, preview + progress, preview), snapshot + progress)
+
+
+# --- merge rounds ------------------------------------------------------------------------------
+
+
+def _member(digest, outer_step, **extra):
+    return {"digest": digest, "outer_step": outer_step, **extra}
+
+
+def test_merge_weights_none_when_anchors_agree():
+    d = [1.0, 2.0, 3.0]
+    assert diloco.merge_weights([_member(d, 3), _member([1.0, 2.0, 3.0000001], 3)], 1e-3) is None
+    assert diloco.merge_weights([_member(d, 3)], 1e-3) is None
+    # members without a digest (an older or foreign peer): no merge plan
+    assert diloco.merge_weights([_member(d, 3), {"outer_step": 3}], 1e-3) is None
+
+
+def test_merge_weights_newest_outer_step_only():
+    a, b = [1.0, 2.0, 3.0], [1.5, 2.0, 3.0]
+    assert diloco.merge_weights([_member(a, 4), _member(b, 4)], 1e-3) == [1.0, 1.0]
+    assert diloco.merge_weights([_member(a, 4), _member(b, 2), _member(a, 4)], 1e-3) == [1.0, 0.0, 1.0]
+    assert diloco.anchors_differ([a, a, b], 1e-3) and not diloco.anchors_differ([a, a], 1e-3)
+
+
+def test_merge_scales_turn_one_weight_per_sender_into_merge_weights():
+    """hivemind averages sum(w x) / sum(w) with one weight per sender; senders scale their anchors
+    so that the result is sum(v anchor) / sum(v) with the merge weights v."""
+    from p2pdiloco.averaging import ContributionPolicy
+
+    n = 40
+    anchors = [torch.randn(n, generator=_gen(50 + i)) for i in range(3)]
+    weights, votes = [1000.0, 3000.0, 500.0], [1.0, 1.0, 0.0]
+    gathered = [{"norm": 1.0, "weight": w, "anchor_norm": float(a.norm()), "momentum_norm": 0.0}
+                for w, a in zip(weights, anchors)]
+    policy = ContributionPolicy.from_gathered(gathered, max_norm_ratio=10.0, merge=votes)
+    assert not policy.merge_problem and policy.valid == 3
+    sent = [a * s for a, s in zip(anchors, policy.merge_scales)]
+    hivemind_average = sum(w * x for w, x in zip(weights, sent)) / sum(weights)
+    assert_close(hivemind_average, (anchors[0] + anchors[1]) / 2)
+    # each sender's anchor segment is capped by its own announced norm, scaled as sent
+    for i, caps in enumerate(policy.segment_caps):
+        assert float(sent[i].norm()) <= caps[1]
+
+
+def test_merge_policy_excludes_bad_anchor_announcements():
+    from p2pdiloco.averaging import ContributionPolicy
+
+    base = {"norm": 1.0, "weight": 1.0, "momentum_norm": 1.0}
+    gathered = [{**base, "anchor_norm": 10.0}, {**base, "anchor_norm": 10.5}, {**base, "anchor_norm": float("nan")},
+                {**base, "anchor_norm": 1e6}]
+    policy = ContributionPolicy.from_gathered(gathered, max_norm_ratio=10.0, merge=[1.0, 1.0, 1.0, 1.0])
+    assert policy.excluded == [False, False, True, True]
+    assert "anchor_norm" in policy.notes[2] and "excluded" in policy.notes[3]
+    assert policy.merge_scales[2] == policy.merge_scales[3] == 0.0
+    # nobody usable at the newest outer step: the round cannot merge and fails
+    bad = [{**base, "anchor_norm": float("nan")}, {**base, "anchor_norm": -1.0}, {**base, "anchor_norm": 10.0}]
+    policy = ContributionPolicy.from_gathered(bad, max_norm_ratio=10.0, merge=[1.0, 1.0, 0.0])
+    assert policy.excluded == [True, True, False] and policy.merge_problem
+
+
+def test_dynamic_inner_steps_scale_with_speed():
+    assert diloco.dynamic_inner_steps(50, 100.0, [100.0, 100.0]) == 50
+    assert diloco.dynamic_inner_steps(50, 150.0, [150.0, 50.0]) == 75   # twice the mean... of 100
+    assert diloco.dynamic_inner_steps(50, 50.0, [150.0, 50.0]) == 25
+    # a 4x straggler next to three fast peers: all due at once, 4 x 50 steps between them
+    fast, slow = (diloco.dynamic_inner_steps(50, s, [4.0, 4.0, 4.0, 1.0]) for s in (4.0, 1.0))
+    assert (fast, slow) == (62, 15) and abs(3 * fast + slow - 200) <= 2
+    # unknown or broken speeds: plain inner_steps; the scale is bounded
+    assert diloco.dynamic_inner_steps(50, None, [1.0]) == 50
+    assert diloco.dynamic_inner_steps(50, 1.0, [math.nan, -1]) == 50
+    assert diloco.dynamic_inner_steps(50, 1000.0, [1000.0] + [10.0] * 7) == 200
+    assert diloco.dynamic_inner_steps(50, 1.0, [1000.0] + [1.0] * 7) == 12
