@@ -106,6 +106,7 @@ def dynamic_inner_steps(inner_steps: int, own_speed, speeds: list, *, bound: flo
     scale = min(bound, max(1.0 / bound, own_speed / (sum(known) / len(known))))
     return max(1, round(inner_steps * scale))
 
+
 def digest_indices(numel: int) -> torch.Tensor:
     """Fixed positions (the same on every peer of a model config) sampled for the anchor digest."""
     g = torch.Generator().manual_seed(numel)

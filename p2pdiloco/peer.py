@@ -5,7 +5,8 @@
 
 The loop never waits for the network: every `inner_steps` steps it hands the pseudo-gradient to a
 background round (RoundRunner) and keeps training; when the round's future is done it applies one
-outer step (or discards the round) and goes on.
+outer step (or discards the round) and goes on. How a round starts and lands is in outer.py
+(SwarmRounds, which Peer mixes in); the math is in diloco.py.
 """
 
 from __future__ import annotations
@@ -14,57 +15,24 @@ import concurrent.futures
 import copy
 import logging
 import math
-import os
 import signal
 import sys
 import threading
 import time
 import zlib
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from p2pdiloco import checkpoint, diloco, sinks, state, swarm
-from p2pdiloco.averaging import DilocoAverager, RoundOutcome, RoundRunner, contribution_weight, quiet_lonely_rounds
+from p2pdiloco.averaging import DilocoAverager, RoundRunner, quiet_lonely_rounds
 from p2pdiloco.data import load_data
 from p2pdiloco.metrics import Metrics
-from p2pdiloco.ranks import Ranks
 from p2pdiloco.model import build_model, flat_params, load_flat_, num_params
+from p2pdiloco.outer import PendingRound, SwarmRounds
+from p2pdiloco.ranks import Ranks
 
 logger = logging.getLogger(__name__)
-
-
-# Test-only: make this peer corrupt its own outgoing pseudo-gradient ("nan", "inf" or "huge"), or the
-# anchor it offers to merge rounds ("anchor_nan", ...), so tests can check that unmodified receivers
-# reject it.
-TEST_CORRUPT = os.environ.get("P2PDILOCO_TEST_CORRUPT", "")
-
-
-def corrupt_for_test(delta: torch.Tensor, how: str) -> torch.Tensor:
-    delta = delta.clone()
-    if how == "nan":
-        delta[::7] = float("nan")
-    elif how == "inf":
-        delta[0] = float("inf")
-    elif how == "huge":
-        delta *= 1e6
-    else:
-        raise ValueError(f"P2PDILOCO_TEST_CORRUPT must be nan, inf or huge, got {how!r}")
-    return delta
-
-
-@dataclass
-class PendingRound:
-    """The round in flight, and what applying (or discarding) it needs."""
-
-    future: concurrent.futures.Future  # -> RoundOutcome
-    snapshot: torch.Tensor  # the local weights the pseudo-gradient was taken from
-    base: torch.Tensor      # what the local model has trained from since: the snapshot, or the eager preview
-    tokens: int             # tokens behind the pseudo-gradient
-    weight: float
-    age: int                # outer steps behind the swarm when it started
-    formed_at_step: Optional[int] = None  # our inner step when the group formed (set from the round's thread)
 
 
 def pick_device(name: str) -> torch.device:
@@ -73,7 +41,7 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class Peer:
+class Peer(SwarmRounds):
     def __init__(self, cfg, *, quiet: bool = False, stop_event: Optional[threading.Event] = None,
                  model: Optional[torch.nn.Module] = None, inner_opt: Optional[torch.optim.Optimizer] = None,
                  eval_fn: Optional[Callable[[torch.nn.Module], float]] = None, handle_signals: bool = True):
@@ -272,22 +240,6 @@ class Peer:
         self._progress(f"p2pdiloco: {started} of {count} peers up after {self.cfg.bootstrap_timeout:.0f}s; "
                        "training anyway")
 
-    def _install(self, loaded: state.OuterState, *, keep_local: bool, tokens_kept: int = 0) -> None:
-        """Adopt a downloaded anchor; keep_local keeps the progress made since the last snapshot
-        (tokens_kept tokens) and contributes it at once, to land in the same matchmaking window
-        as the group it fell behind: waiting inner_steps would miss it and diverge again."""
-        with self.state_lock:
-            old_anchor = self.anchor
-            self.anchor, self.momentum, self.outer_step = loaded.anchor, loaded.momentum, loaded.outer_step
-        local = flat_params(self.model)
-        base = self._snapshot if keep_local and self._snapshot is not None else old_anchor
-        load_flat_(self.model, diloco.merge_local(self.anchor, local, base) if keep_local else self.anchor)
-        self._params_changed = True
-        self.tokens_since_anchor = tokens_kept if keep_local else 0
-        self.steps_since_round = self.cfg.inner_steps if keep_local else 0
-        if not self.cfg.client_mode:
-            self.averager.state_sharing_priority = float(self.outer_step)
-
     # ------------------------------------------------------------------------------ loop
 
     def run(self) -> None:
@@ -439,22 +391,6 @@ class Peer:
             self._params_changed = False
         return bool(stop)
 
-    def _round_bound(self) -> float:
-        """The longest a round can take: matchmaking, all-reduce, verdicts."""
-        cfg = self.cfg
-        return cfg.matchmaking_time * 2 + cfg.request_timeout + cfg.allreduce_timeout + cfg.verdict_timeout + 5
-
-    def _wait_round_sync(self, t_start: float) -> bool:
-        """Synchronous DiLoCo: no training until a full round applies (retried while the group is short)."""
-        while self.pending is not None and not self.stop_event.is_set() and not self._out_of_time(t_start):
-            concurrent.futures.wait([self.pending.future], timeout=0.5)
-            if self.pending.future.done():
-                pending, self.pending = self.pending, None
-                if self._finish_round(pending):
-                    return True
-                self.pending = self._start_round()  # same pseudo-gradient: we have not trained since
-        return False
-
     def _should_stop(self, t_start: float) -> bool:
         return (self.stop_event.is_set() or self._out_of_time(t_start)
                 or (self.cfg.max_inner_steps > 0 and self.inner_step >= self.cfg.max_inner_steps))
@@ -479,161 +415,6 @@ class Peer:
                 "tokens_per_s": tokens_per_s, "tokens": self.tokens, "device": self.device_name,
                 "maddrs": self.maddrs[:4], "group_size": self.last_group_size, "rounds_applied": self.rounds_applied,
                 "rounds_failed": self.rounds_failed, "eval_loss": self.last_eval_loss, "time": time.time()}
-
-    def _check_swarm_outer_step(self) -> None:
-        """Blocking read of the swarm's outer step (after a freeze, before the next contribution)."""
-        try:
-            records = swarm.read_progress(self.dht, self.cfg, timeout=10.0)
-        except Exception as e:  # the DHT may be slow right after a freeze; the digest check still guards
-            logger.warning(f"could not read the swarm's progress: {e!r}")
-            return
-        self._note_progress(records)
-
-    def _note_progress(self, records: dict) -> None:
-        self.swarm_outer_step = max([self.outer_step, *(r.get("outer_step", 0) for r in records.values())])
-        self.swarm_size = len(set(records) | {self.peer_id})  # live peers: records expire
-        if self.cfg.dynamic_inner_steps and not self.cfg.sync_rounds:
-            speeds = {peer: r.get("tokens_per_s") for peer, r in records.items()}
-            self.due_steps = diloco.dynamic_inner_steps(self.cfg.inner_steps, speeds.get(self.peer_id),
-                                                        list(speeds.values()))
-
-    def _refresh_swarm_outer_step(self) -> None:
-        """The highest outer step in the peers' progress records (read in the background)."""
-        if self._progress_reading is not None and self._progress_reading.done():
-            try:
-                self._note_progress(swarm.parse_progress(self._progress_reading.result()))
-            except Exception as e:  # a failed read only delays the staleness check
-                logger.debug(f"progress read failed: {e!r}")
-            self._progress_reading = None
-        if self._progress_reading is None:
-            self._progress_reading = self.dht.get(f"{self.cfg.dht_prefix}_progress", latest=True,
-                                                  return_future=True)
-
-    # ------------------------------------------------------------------------- rounds
-
-    def _start_round(self):
-        cfg = self.cfg
-        age = max(0, self.swarm_outer_step - self.outer_step)
-        too_stale = age > cfg.max_staleness
-        if too_stale and not self.merging:
-            self._resync(f"{age} outer steps behind the swarm", keep_local=False)
-            return None
-        snapshot = flat_params(self.model)
-        with self.state_lock:
-            delta = diloco.pseudo_grad(self.anchor, snapshot)
-            digest = diloco.anchor_digest(self.anchor, self.digest_idx)
-            anchor, momentum = (self.anchor.clone(), self.momentum.clone()) if self.merging else (None, None)
-        if too_stale:  # too old to help: contribute nothing, take the group's anchor in the merge round
-            delta.zero_()
-        if TEST_CORRUPT.startswith("anchor_") and anchor is not None:  # its digest differs: every round merges
-            anchor = corrupt_for_test(anchor, TEST_CORRUPT.removeprefix("anchor_"))
-            digest = [v + 1.0 for v in digest]
-        elif TEST_CORRUPT:
-            delta = corrupt_for_test(delta, TEST_CORRUPT)
-        # per_contribution: equal weights, so slot j of the average is member j's pseudo-gradient / group size
-        weight = 1.0 if cfg.outer_apply == "per_contribution" else contribution_weight(self.tokens_since_anchor, age)
-        gather = {"peer": self.peer_id, "outer_step": self.outer_step, "tokens": self.tokens_since_anchor,
-                  "digest": digest, "swarm": self.swarm_size}
-        if cfg.full_groups:  # everyone live is expected: the group forms once they are all in
-            live = min(cfg.target_group_size, self.swarm_size)
-            self.averager.set_target_group_size(live if live >= max(2, cfg.min_group_size) else cfg.target_group_size)
-        base = snapshot
-        if self.eager:  # train the round in flight from where the anchor will about be (arXiv 2502.12996)
-            with self.state_lock:
-                base = diloco.preview_outer_step(self.anchor, self.momentum, delta, outer_lr=cfg.outer_lr,
-                                                 outer_momentum=cfg.outer_momentum)
-            load_flat_(self.model, base)
-            self._params_changed = True
-        self.steps_since_round = 0
-        outer_step = self.outer_step
-
-        def formed() -> None:  # in the round's thread
-            pending.formed_at_step = self.inner_step
-            self.metrics.log("allreduce_started", outer_step=outer_step)
-
-        pending = PendingRound(None, snapshot, base, self.tokens_since_anchor, weight, age)
-        pending.future = self.rounds.start(delta, weight=weight, gather=gather, anchor=anchor, momentum=momentum,
-                                           on_allreduce=formed)
-        return pending
-
-    def _finish_round(self, pending: PendingRound) -> bool:
-        """Apply the round's average as one outer step (True), or discard it (False)."""
-        snapshot, base, tokens, weight, age = pending.snapshot, pending.base, pending.tokens, pending.weight, pending.age
-        outcome: RoundOutcome = pending.future.result()
-        if outcome.report is not None:
-            for peer, why in outcome.report.rejected.items():
-                self.metrics.log("bad_contribution", sender=peer, reason=why, outer_step=self.outer_step)
-        if not outcome.ok and base is not snapshot:  # eager: back onto our own anchor, our work kept
-            load_flat_(self.model, diloco.merge_local(snapshot, flat_params(self.model), base))
-            self._params_changed = True
-        if not outcome.ok:
-            self.metrics.log("round_failed", reason=outcome.reason, outer_step=self.outer_step,
-                             round_s=outcome.round_s)
-            self.rounds_failed += 1
-            logger.info(f"round discarded: {outcome.reason}")
-            return False
-        members = list(outcome.members.values())
-        reference = max(members, key=lambda m: (m["outer_step"], m["peer"]))
-        mine = outcome.members[self.peer_id]
-        spread = max(diloco.digest_spread(m["digest"], reference["digest"]) for m in members)
-        merged = outcome.anchor is not None
-        if not merged and diloco.digest_spread(mine["digest"], reference["digest"]) > self.cfg.anchor_tolerance:
-            self._snapshot = snapshot
-            # the reference members apply this round: wait until one of them offers the result
-            self._resync(f"anchor differs from the group's (spread {spread:.2e})", keep_local=True,
-                         min_outer_step=reference["outer_step"] + 1, tokens_kept=self.tokens_since_anchor - tokens)
-            return False
-        diverged = sum(diloco.digest_spread(m["digest"], reference["digest"]) > self.cfg.anchor_tolerance
-                       for m in members)
-        # every member derives the same share from the same announcements, so anchors stay equal
-        share = diloco.group_share([m.get("swarm", 1) for m in members]) if self.cfg.group_share else 1.0
-        with self.state_lock:
-            if merged:  # everyone's anchor and momentum, merged in the round: nobody's progress is lost
-                self.anchor, self.momentum = outcome.anchor, outcome.momentum
-            if self.cfg.outer_apply == "per_contribution":  # the negative control: momentum per contribution
-                for contribution in outcome.average.view(-1, self.numel)[:len(members)]:
-                    diloco.outer_step_(self.anchor, self.momentum, contribution * len(members),
-                                       outer_lr=self.cfg.outer_lr, outer_momentum=self.cfg.outer_momentum)
-            else:
-                diloco.outer_step_(self.anchor, self.momentum, outcome.average * share, outer_lr=self.cfg.outer_lr,
-                                   outer_momentum=self.cfg.outer_momentum)
-            self.outer_step = max(m["outer_step"] for m in members) + 1
-        local = flat_params(self.model)
-        load_flat_(self.model, diloco.merge_local(self.anchor, local, base))
-        self._params_changed = True
-        self.tokens_since_anchor -= tokens
-        if self.cfg.full_groups and pending.formed_at_step is not None:
-            # count the next inner_steps from the moment the group formed, the same for every member: the
-            # group's next round then finds them all ready at once instead of spread over the window
-            self.steps_since_round = self.inner_step - pending.formed_at_step
-        self.swarm_outer_step = max(self.swarm_outer_step, self.outer_step)
-        if not self.cfg.client_mode:
-            self.averager.state_sharing_priority = float(self.outer_step)
-        report = outcome.report
-        self.last_group_size = len(members)
-        self.rounds_applied += 1
-        if self.outer_step % self.cfg.eval_every == 0:
-            self.last_eval_loss = eval_loss = self._evaluate()
-        else:
-            eval_loss = None
-        self.metrics.log("outer", outer_step=self.outer_step, group_size=len(members), share=share, weight=weight,
-                         tokens=tokens, staleness=age, round_s=outcome.round_s, bytes_sent=report.bytes_sent,
-                         bytes_recv=report.bytes_recv, anchor_spread=spread, eval_loss=eval_loss,
-                         diverged_members=diverged, merged=merged, swarm_size=self.swarm_size,
-                         digest=diloco.anchor_digest(self.anchor, self.digest_idx))
-        if self.outer_step % self.cfg.checkpoint_every == 0:
-            self._save_checkpoint()
-        return True
-
-    def _resync(self, reason: str, *, keep_local: bool, min_outer_step: int = 0, tokens_kept: int = 0) -> None:
-        self._progress(f"p2pdiloco: resyncing state ({reason}) ...")
-        loaded = state.download_state(self.averager, self.cfg, self.numel, timeout=self.cfg.state_timeout,
-                                      min_outer_step=min_outer_step, stop_event=self.stop_event)
-        if loaded is None:
-            self.metrics.log("round_failed", reason=f"resync failed: {reason}", outer_step=self.outer_step)
-            return
-        self._install(loaded, keep_local=keep_local, tokens_kept=tokens_kept)
-        self.metrics.log("resync", reason=reason, loaded_outer_step=loaded.outer_step, download_s=loaded.download_s)
 
     @torch.no_grad()
     def _evaluate(self) -> Optional[float]:

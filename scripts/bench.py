@@ -96,9 +96,9 @@ def variant(name: str) -> dict:
 
 class Bench:
     def __init__(self, out: Path, size: Size, *, seed: int, data: str, variants: tuple = tuple(VARIANTS),
-                 extra: dict | None = None):
+                 extra: dict | None = None, baselines: bool = True):
         self.out, self.size, self.seed, self.data = out, size, seed, data
-        self.variants, self.extra = variants, extra or {}
+        self.variants, self.extra, self.baselines = variants, extra or {}, baselines
 
     def common(self, steps: int) -> dict:
         """Config shared by every run of a comparison: the lr schedule spans the budget."""
@@ -196,13 +196,16 @@ class Bench:
         n, steps, H = self.size.peers, self.size.steps, self.size.inner_steps
         base = {**self.common(steps), "max_inner_steps": steps, "slowdown": self.size.pace, "target_group_size": n,
                 **self.extra}
-        jobs = [(self.ddp, dict(name="ddp", steps=steps, overrides=base))]
+        jobs = [(self.ddp, dict(name="ddp", steps=steps, overrides=base))] if self.baselines else []
         for h in (H, 2 * H):
-            jobs.append((self.swarm, dict(name=f"sync_h{h}", overrides={**base, "inner_steps": h, "sync_rounds": True,
-                                                                        "min_group_size": n, **variant("none")})))
+            if self.baselines:
+                jobs.append((self.swarm, dict(name=f"sync_h{h}", overrides={
+                    **base, "inner_steps": h, "sync_rounds": True, "min_group_size": n, **variant("none")})))
             jobs += [(self.swarm, dict(name=f"{v}_h{h}", overrides={**base, "inner_steps": h, **variant(v)}))
                      for v in self.variants]
         runs = {r["name"]: r for r in self.many(jobs)}
+        if not self.baselines:  # compared with the baselines of another run of the same seeds
+            return {"runs": runs, "gaps_pct": [], "variants": {v: variant(v) for v in self.variants}}
         gaps = [{"what": f"{name} vs sync_h{name.rsplit('_h', 1)[1]}",
                  "pct": 100 * (run["final_eval"] / runs[f"sync_h{name.rsplit('_h', 1)[1]}"]["final_eval"] - 1)}
                 for name, run in runs.items() if name != "ddp" and not name.startswith("sync")]
@@ -221,8 +224,8 @@ class Bench:
                                                                           "outer_momentum": mu}))
                 for mode, extra in modes.items() for lr in SWEEP_OUTER_LR for mu in SWEEP_OUTER_MOMENTUM]
         runs = {r["name"]: r for r in self.many(jobs)}
-        best = {mode: min((r for name, r in runs.items() if name.startswith(mode)), key=lambda r: r["final_eval"])["name"]
-                for mode in modes}
+        best = {mode: min((r for name, r in runs.items() if name.startswith(mode)),
+                          key=lambda r: r["final_eval"])["name"] for mode in modes}
         return {"runs": runs, "best": best}
 
     def traffic(self) -> dict:
@@ -519,16 +522,19 @@ def bare_main(steps: int, seed: int, overrides: dict, preset: str = PRESET) -> N
 
 # ------------------------------------------------------------------------------ main
 
-COMPARISONS = ("quality", "ablation", "sweep", "traffic", "stragglers", "slowlinks", "overhead")
+COMPARISONS = ("quality", "traffic", "stragglers", "slowlinks", "overhead")  # what `all` runs
+STUDIES = ("ablation", "sweep")  # the decoupled swarm's mechanisms and the outer optimizer's tuning
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("comparison", nargs="+", choices=[*COMPARISONS, "all", "gpu", "_bare"])
+    parser.add_argument("comparison", nargs="+", choices=[*COMPARISONS, *STUDIES, "all", "gpu", "_bare"])
     parser.add_argument("--quick", action="store_true", help="tiny size for the tests (numbers mean nothing)")
     parser.add_argument("--size", choices=sorted(SIZES), default="", help="default, long or quick (= --quick)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"ablation: comma-separated variants of {', '.join(VARIANTS)}")
+    parser.add_argument("--no-baselines", dest="baselines", action="store_false",
+                        help="ablation: the variants only, no DDP or sync runs (compare with another run's)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="ablation: a config override for every run (e.g. outer_lr=0.7), repeatable")
     parser.add_argument("--out", default="", help="output directory (default: a new temporary directory)")
@@ -571,7 +577,7 @@ def main(argv=None) -> int:
     results.update(size=size.__dict__, machine=machine())
     failures = []
     for seed in range(args.seed, args.seed + args.repeat):
-        bench = Bench(out, size, seed=seed, data=args.data, variants=variants, extra=extra)
+        bench = Bench(out, size, seed=seed, data=args.data, variants=variants, extra=extra, baselines=args.baselines)
         for name in names:
             t0 = time.monotonic()
             print(f"bench: {name} (seed {seed}) ...", flush=True)

@@ -66,8 +66,50 @@ def headline(results: dict) -> list[str]:
     return lines
 
 
+def across_seeds(results: dict, comp: str) -> list[str]:
+    """Mean and range over seeds of every run of a comparison (ablation, quality): final eval loss,
+    the gap to its baseline, and the swarm's behaviour."""
+    per_run: dict[str, list] = {}
+    gaps: dict[str, list] = {}
+    for comps in results["by_seed"].values():
+        c = comps.get(comp)
+        if not c or "runs" not in c:
+            continue
+        for name, r in c["runs"].items():
+            per_run.setdefault(name, []).append(r)
+        for g in c.get("gaps_pct", []):
+            gaps.setdefault(g["what"].split(" vs ")[0], []).append((g["what"].split(" vs ")[1], g["pct"]))
+    if not per_run:
+        return []
+    seeds = max(len(v) for v in per_run.values())
+    lines = [f"### {comp}: mean over {seeds} seed(s) [min, max]", "",
+             "| run | final eval loss | gap | outer steps/peer | rounds with every live peer | merges | resyncs "
+             "| max eval jump % | anchors agree |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, runs in per_run.items():
+        evals = [r["final_eval"] for r in runs]
+        gap = gaps.get(name)
+        gap_text = (f"{statistics.mean(p for _, p in gap):+.2f}% vs {gap[0][0]} "
+                    f"[{min(p for _, p in gap):+.2f}, {max(p for _, p in gap):+.2f}]") if gap else ""
+        swarm = [r for r in runs if r.get("kind") == "p2pdiloco"]
+
+        def avg(key, fmt):
+            values = [r[key] for r in swarm if r.get(key) is not None]
+            return format(statistics.mean(values), fmt) if values else "-"
+
+        outer = [statistics.mean(p["outer_steps_applied"] for p in r["peers"].values()) for r in swarm]
+        agree = [r["anchor_spread"]["agree"] for r in swarm if r.get("anchor_spread", {}).get("agree") is not None]
+        lines.append(f"| {name} | {statistics.mean(evals):.4f} [{min(evals):.4f}, {max(evals):.4f}] | {gap_text} | "
+                     f"{format(statistics.mean(outer), '.1f') if outer else '-'} | "
+                     f"{avg('full_group_fraction', '.2f')} | "
+                     f"{avg('merges', '.1f')} | {avg('resyncs', '.1f')} | {avg('max_eval_jump_pct', '+.1f')} | "
+                     f"{format(statistics.mean(agree), '.2f') if agree else '-'} |")
+    return lines + [""]
+
+
 def report(results: dict, out: Path) -> str:
     lines = ["# p2pdiloco benchmarks", "", *headline(results), ""]
+    for comp in ("ablation", "quality"):
+        lines += across_seeds(results, comp)
     for seed, comps in results["by_seed"].items():
         lines += [f"## seed {seed}", ""]
         for name, comp in list(comps.items()):
@@ -91,6 +133,12 @@ def report(results: dict, out: Path) -> str:
             c = q["negative_control"]
             lines += [f"| negative control: {c['what']} | {c['pct']:+.2f}% | worse (> +1%) | "
                       f"{'seen' if c['seen'] else 'NOT SEEN'} |", ""]
+        sw = comps.get("sweep")
+        if sw:
+            lines += ["### sweep (final eval loss over outer_lr x outer_momentum)", "", "| run | final eval loss |",
+                      "|---|---|"]
+            lines += [f"| {r['name']} | {r['final_eval']:.4f} |" for r in sw["runs"].values()]
+            lines += ["", "best: " + ", ".join(f"{mode} {name}" for mode, name in sw["best"].items()), ""]
         t = comps.get("traffic")
         if _opened(lines, t, "### traffic (bytes at each host's interface, per peer per inner step)"):
             lines += ["| run | sent B/step | recv B/step | DDP fp32 / this | target | |", "|---|---|---|---|---|---|"]
@@ -153,7 +201,7 @@ def plot(results: dict, out: Path) -> list[str]:
         return []
     made = []
     for seed, comps in results["by_seed"].items():
-        for comp in ("quality", "stragglers", "slowlinks"):
+        for comp in ("quality", "ablation", "stragglers", "slowlinks"):
             runs = (comps.get(comp) or {}).get("runs")
             if not runs:
                 continue

@@ -78,3 +78,25 @@ def test_gpu_check_says_plainly_when_there_is_no_gpu(tmp_path):
         assert gpu == {"skipped": "no CUDA device", "bench_s": gpu["bench_s"]}
     else:
         assert gpu["inner_tokens_per_s"] and gpu["overhead_pct"] is not None
+
+
+def test_ablation_and_sweep_run_at_quick_size(tmp_path, corpus):
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "ablation", "sweep", "--quick",
+                           "--variants", "none,all", "--out", str(out), "--data", str(corpus)],
+                          capture_output=True, text=True, timeout=840)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    comps = json.loads((out / "results.json").read_text())["by_seed"]["0"]
+    ablation = comps["ablation"]
+    assert set(ablation["runs"]) == {"ddp", "sync_h20", "sync_h40", "none_h20", "all_h20", "none_h40", "all_h40"}
+    assert ablation["variants"]["none"] == {"merge_anchors": False, "full_groups": False, "eager_outer": False,
+                                            "dynamic_inner_steps": False}
+    for name, run in ablation["runs"].items():
+        assert math.isfinite(run["final_eval"]) and run["final_eval"] < math.log(256), name
+        if name != "ddp":
+            assert 0 <= run["full_group_fraction"] <= 1 and run["resyncs"] >= 0 and run["merges"] >= 0, name
+    assert {g["what"] for g in ablation["gaps_pct"]} >= {"all_h20 vs sync_h20", "sync_h40 vs ddp"}
+    sweep = comps["sweep"]
+    assert len(sweep["runs"]) == 12 and set(sweep["best"]) == {"sync", "decoupled"}
+    md = (out / "results.md").read_text()
+    assert "### ablation: mean over 1 seed(s)" in md and "### sweep" in md and "FAILED" not in md
