@@ -220,8 +220,9 @@ class Bench:
         base = {**self.common(steps), "max_inner_steps": steps, "slowdown": self.size.pace, "target_group_size": n,
                 **self.extra}
         modes = {"sync": {"sync_rounds": True, "min_group_size": n, **variant("none")}, "decoupled": {}}
-        jobs = [(self.swarm, dict(name=f"{mode}_lr{lr}_m{mu}", overrides={**base, **extra, "outer_lr": lr,
-                                                                          "outer_momentum": mu}))
+        # run ids allow no dots: outer_lr 0.5 and momentum 0.9 name a run "..._lr0p5_m0p9"
+        jobs = [(self.swarm, dict(name=f"{mode}_lr{lr:g}_m{mu:g}".replace(".", "p"),
+                                  overrides={**base, **extra, "outer_lr": lr, "outer_momentum": mu}))
                 for mode, extra in modes.items() for lr in SWEEP_OUTER_LR for mu in SWEEP_OUTER_MOMENTUM]
         runs = {r["name"]: r for r in self.many(jobs)}
         best = {mode: min((r for name, r in runs.items() if name.startswith(mode)),

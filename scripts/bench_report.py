@@ -205,6 +205,8 @@ def plot(results: dict, out: Path) -> list[str]:
             runs = (comps.get(comp) or {}).get("runs")
             if not runs:
                 continue
+            if comp == "ablation":  # every variant on one chart is unreadable: the baselines, first and last version
+                runs = {k: r for k, r in runs.items() if k == "ddp" or k.split("_h")[0] in ("sync", "none", "all")}
             fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
             shown = []
             for r in runs.values():

@@ -19,8 +19,9 @@ N = 50_000
 
 
 @contextlib.contextmanager
-def peers(count: int, **overrides):
-    """`count` DHT nodes + averagers joined through the first; all shut down on exit."""
+def peers(count: int, *, merge: bool = False, **overrides):
+    """`count` DHT nodes + averagers joined through the first; all shut down on exit. merge: the
+    averagers are merge-capable (one buffer of [pseudo-gradient | anchor | momentum])."""
     cfg = Config(host_maddrs=["/ip4/127.0.0.1/tcp/0"], matchmaking_time=2.0, request_timeout=1.0,
                  allreduce_timeout=10.0, run_id="avgtest", **overrides)
     dhts, averagers = [], []
@@ -30,7 +31,8 @@ def peers(count: int, **overrides):
         for _ in range(count - 1):
             dhts.append(hivemind.DHT(start=True, initial_peers=first, **LOOPBACK_DHT))
         for dht in dhts:
-            averagers.append(DilocoAverager([torch.zeros(N)], dht, cfg=cfg, state_fn=lambda: ({}, [])))
+            averagers.append(DilocoAverager([torch.zeros(3 * N if merge else N)], dht, cfg=cfg,
+                                            state_fn=lambda: ({}, []), merge_size=N if merge else 0))
         yield cfg, [RoundRunner(a, d, cfg) for a, d in zip(averagers, dhts)]
     finally:
         for averager in averagers:
@@ -139,26 +141,8 @@ def test_per_contribution_slots_return_each_members_pseudo_grad():
             torch.testing.assert_close(o.average[slot * N:(slot + 1) * N] * size, grads[member], atol=1e-5, rtol=1e-5)
 
 
-@contextlib.contextmanager
 def merging_peers(count: int):
-    """Like peers(), with merge-capable averagers: one buffer of [pseudo-gradient | anchor | momentum]."""
-    cfg = Config(host_maddrs=["/ip4/127.0.0.1/tcp/0"], matchmaking_time=2.0, request_timeout=1.0,
-                 allreduce_timeout=10.0, run_id="mergetest", target_group_size=count)
-    dhts, averagers = [], []
-    try:
-        dhts.append(hivemind.DHT(start=True, **LOOPBACK_DHT))
-        first = [str(a) for a in dhts[0].get_visible_maddrs()]
-        for _ in range(count - 1):
-            dhts.append(hivemind.DHT(start=True, initial_peers=first, **LOOPBACK_DHT))
-        for dht in dhts:
-            averagers.append(DilocoAverager([torch.zeros(3 * N)], dht, cfg=cfg, state_fn=lambda: ({}, []),
-                                            merge_size=N))
-        yield cfg, [RoundRunner(a, d, cfg) for a, d in zip(averagers, dhts)]
-    finally:
-        for averager in averagers:
-            averager.shutdown()
-        for dht in dhts:
-            dht.shutdown()
+    return peers(count, merge=True, target_group_size=count)
 
 
 def _merge_round(runners, anchors, momenta, grads, steps, weights):
