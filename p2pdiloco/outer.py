@@ -143,7 +143,9 @@ class SwarmRounds:
         with self.state_lock:
             delta = diloco.pseudo_grad(self.anchor, snapshot)
             digest = diloco.anchor_digest(self.anchor, self.digest_idx)
-            anchor, momentum = (self.anchor.clone(), self.momentum.clone()) if self.merging else (None, None)
+            # no copies: the round copies them into its buffer before it can finish, and only a
+            # finished round (or a resync between rounds) changes them
+            anchor, momentum = (self.anchor, self.momentum) if self.merging else (None, None)
         if too_stale:  # too old to help: contribute nothing, take the group's anchor in the merge round
             delta.zero_()
         if TEST_CORRUPT.startswith("anchor_") and anchor is not None:  # its digest differs: every round merges
