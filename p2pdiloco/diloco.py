@@ -107,6 +107,23 @@ def dynamic_inner_steps(inner_steps: int, own_speed, speeds: list, *, bound: flo
     return max(1, round(inner_steps * scale))
 
 
+def matchmaking_lead(previous_s: float, waits: list, *, cap_s: float) -> float:
+    """Seconds before its inner_steps are done that a peer enters matchmaking, from the waits the
+    group's members report (seconds from entering matchmaking to the group's formation, in their
+    previous round). A full group forms when its last member arrives, so the others waited: on
+    average, the group could have formed that much earlier. Entering earlier by the mean wait
+    keeps a round every inner_steps steps instead of inner_steps plus the spread of arrivals
+    (hivemind.Optimizer likewise starts matchmaking ahead of the swarm's estimated ready time).
+    Every member derives the same lead from the same announcements, so their starts stay aligned;
+    the new mean is halved with the previous lead to smooth one round's noise. Reports that are not
+    finite numbers are ignored, the others clipped to [0, cap_s], and so is the lead."""
+    known = [min(cap_s, max(0.0, float(w))) for w in waits
+             if isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)]
+    if not known:
+        return max(0.0, min(cap_s, previous_s))
+    return max(0.0, min(cap_s, 0.5 * previous_s + 0.5 * sum(known) / len(known)))
+
+
 def digest_indices(numel: int) -> torch.Tensor:
     """Fixed positions (the same on every peer of a model config) sampled for the anchor digest."""
     g = torch.Generator().manual_seed(numel)

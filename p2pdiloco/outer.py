@@ -13,7 +13,9 @@ Per round (see diloco.py for the math, averaging.py for the round itself):
             carries it.
     full groups (`full_groups`): a group forms once every live peer is in, and every member
             counts its next inner_steps from the moment the group formed, so the next round
-            finds them all ready at once.
+            finds them all ready at once. With `matchmaking_lead`, it enters matchmaking ahead of
+            that by the group's mean wait for its last member (diloco.matchmaking_lead), so that
+            rounds form every inner_steps steps, not inner_steps plus the spread of arrivals.
 
 Peer mixes this in; it reads and writes the Peer's state (anchor, momentum, outer_step, model).
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -63,7 +66,10 @@ class PendingRound:
     tokens: int             # tokens behind the pseudo-gradient
     weight: float
     age: int                # outer steps behind the swarm when it started
+    start_step: int = 0     # our inner step when we entered matchmaking
+    started_at: float = 0.0  # time.monotonic() then
     formed_at_step: Optional[int] = None  # our inner step when the group formed (set from the round's thread)
+    formed_at: Optional[float] = None     # time.monotonic() then
 
 
 class SwarmRounds:
@@ -158,7 +164,7 @@ class SwarmRounds:
         if too_stale:  # a zero pseudo-gradient must not dilute the others' average
             weight = 0.0
         gather = {"peer": self.peer_id, "outer_step": self.outer_step, "tokens": self.tokens_since_anchor,
-                  "digest": digest, "swarm": self.swarm_size}
+                  "digest": digest, "swarm": self.swarm_size, "waited": self.last_wait_s}
         if cfg.full_groups:  # everyone live is expected: the group forms once they are all in
             live = min(cfg.target_group_size, self.swarm_size)
             self.averager.set_target_group_size(live if live >= max(2, cfg.min_group_size) else cfg.target_group_size)
@@ -173,10 +179,11 @@ class SwarmRounds:
         outer_step = self.outer_step
 
         def formed() -> None:  # in the round's thread
-            pending.formed_at_step = self.inner_step
+            pending.formed_at_step, pending.formed_at = self.inner_step, time.monotonic()
             self.metrics.log("allreduce_started", outer_step=outer_step)
 
-        pending = PendingRound(None, snapshot, base, self.tokens_since_anchor, weight, age)
+        pending = PendingRound(None, snapshot, base, self.tokens_since_anchor, weight, age,
+                               start_step=self.inner_step, started_at=time.monotonic())
         pending.future = self.rounds.start(delta, weight=weight, gather=gather, anchor=anchor, momentum=momentum,
                                            on_allreduce=formed)
         return pending
@@ -231,6 +238,7 @@ class SwarmRounds:
             # count the next inner_steps from the moment the group formed, the same for every member: the
             # group's next round then finds them all ready at once instead of spread over the window
             self.steps_since_round = self.inner_step - pending.formed_at_step
+            self._schedule_lead(pending, members)
         self.swarm_outer_step = max(self.swarm_outer_step, self.outer_step)
         if not self.cfg.client_mode:
             self.averager.state_sharing_priority = float(self.outer_step)
@@ -245,10 +253,24 @@ class SwarmRounds:
                          tokens=tokens, staleness=age, round_s=outcome.round_s, bytes_sent=report.bytes_sent,
                          bytes_recv=report.bytes_recv, anchor_spread=spread, eval_loss=eval_loss,
                          diverged_members=diverged, merged=merged, swarm_size=self.swarm_size,
+                         lead_steps=self.lead_steps,
                          digest=diloco.anchor_digest(self.anchor, self.digest_idx))
         if self.outer_step % self.cfg.checkpoint_every == 0:
             self._save_checkpoint()
         return True
+
+    def _schedule_lead(self, pending: PendingRound, members: list) -> None:
+        """matchmaking_lead: how many steps before the next inner_steps-th one to enter matchmaking,
+        from the waits the members reported; our own wait goes into the next round's announcement."""
+        self.last_wait_s = pending.formed_at - pending.started_at
+        if not self.cfg.matchmaking_lead or self.cfg.sync_rounds:
+            return
+        steps = self.inner_step - pending.start_step
+        step_s = (time.monotonic() - pending.started_at) / steps if steps > 0 else 0.0
+        # at most half the matchmaking window (an earlier member would wait past it) and half the steps
+        cap_s = min(self.cfg.matchmaking_time / 2, step_s * self.cfg.inner_steps / 2)
+        self.lead_s = diloco.matchmaking_lead(self.lead_s, [m.get("waited") for m in members], cap_s=cap_s)
+        self.lead_steps = int(self.lead_s / step_s) if step_s > 0 else 0
 
     def _undo_preview(self, pending: PendingRound) -> None:
         """Eager: move the progress made on the preview back onto the snapshot, when the round is not

@@ -268,6 +268,7 @@ class Peer(SwarmRounds):
         self.swarm_outer_step = self.outer_step
         self.swarm_size = 1
         self.due_steps = self.cfg.inner_steps  # inner steps per contribution (dynamic_inner_steps scales them)
+        self.lead_steps, self.lead_s, self.last_wait_s = 0, 0.0, None  # matchmaking_lead (outer.py)
         # eager outer updates need training while a round runs (not synchronous DiLoCo)
         self.eager = self.cfg.eager_outer and not self.cfg.sync_rounds and self.cfg.outer_apply == "group"
         self._progress_reading = None
@@ -346,7 +347,7 @@ class Peer(SwarmRounds):
             applied = self._finish_round(pending)
 
         # --- every inner_steps steps: hand the pseudo-gradient to a background round ----
-        if self.pending is None and self.steps_since_round >= self.due_steps:
+        if self.pending is None and self.steps_since_round >= self.due_steps - self.lead_steps:
             self.pending = self._start_round()
             if cfg.sync_rounds:
                 applied = self._wait_round_sync(self.t_start) or applied

@@ -507,3 +507,30 @@ def test_dynamic_inner_steps_scale_with_speed():
     assert diloco.dynamic_inner_steps(50, 1.0, [math.nan, -1]) == 50
     assert diloco.dynamic_inner_steps(50, 1000.0, [1000.0] + [10.0] * 7) == 200
     assert diloco.dynamic_inner_steps(50, 1.0, [1000.0] + [1.0] * 7) == 12
+
+
+def test_matchmaking_lead_is_the_smoothed_mean_wait():
+    # a hand-written reference: half the previous lead plus half the mean of the reported waits
+    assert diloco.matchmaking_lead(0.0, [0.2, 0.6, 1.0, 0.2], cap_s=5.0) == pytest.approx(0.25)
+    assert diloco.matchmaking_lead(0.4, [0.4, 0.4], cap_s=5.0) == pytest.approx(0.4)
+    # the same announcements give every member the same lead, whatever its order
+    assert diloco.matchmaking_lead(0.1, [1.0, 0.0, 0.5], cap_s=2.0) == diloco.matchmaking_lead(0.1, [0.5, 1.0, 0.0],
+                                                                                              cap_s=2.0)
+    # converges to the mean wait when it stays the same
+    lead = 0.0
+    for _ in range(30):
+        lead = diloco.matchmaking_lead(lead, [0.3, 0.5], cap_s=5.0)
+    assert lead == pytest.approx(0.4, abs=1e-6)
+
+
+def test_matchmaking_lead_ignores_bad_reports_and_stays_capped():
+    # a member's first round (None), garbage and non-finite reports are ignored; the rest clipped
+    assert diloco.matchmaking_lead(0.2, [None, "x", math.nan, True], cap_s=1.0) == pytest.approx(0.2)
+    assert diloco.matchmaking_lead(0.0, [math.inf, 0.4], cap_s=1.0) == pytest.approx(0.2)
+    assert diloco.matchmaking_lead(0.0, [1e9, 1e9], cap_s=1.0) == pytest.approx(0.5)
+    assert diloco.matchmaking_lead(0.0, [-5.0, 0.4], cap_s=1.0) == pytest.approx(0.1)
+    assert diloco.matchmaking_lead(3.0, [], cap_s=1.0) == 1.0   # a smaller cap (a faster peer) applies at once
+    lead = 0.0
+    for _ in range(50):
+        lead = diloco.matchmaking_lead(lead, [1e9], cap_s=0.75)
+    assert lead == pytest.approx(0.75)
