@@ -101,9 +101,9 @@ class Config:
                                           "progress records), so that every peer is due at the same moment.")
     full_groups: bool = _f(True, "A group forms as soon as every live peer (by their progress records) has "
                                  "joined it, instead of waiting out the matchmaking window.")
-    matchmaking_lead: bool = _f(True, "With full_groups: enter matchmaking ahead of the inner_steps-th step, by the "
-                                      "mean wait for the group's last member, so a round forms every inner_steps "
-                                      "steps instead of inner_steps plus the spread of arrivals.")
+    matchmaking_lead: bool = _f(False, "With full_groups: enter matchmaking ahead of the inner_steps-th step, by the "
+                                       "mean wait for the group's last member (more outer steps per token). "
+                                       "Measured worse: groups split more often (docs/benchmarks.md).")
 
     # --- averaging rounds (hivemind) -----------------------------------------------------
     target_group_size: int = _f(16, "Largest averaging group; whoever is ready in the window joins, up to this many.")

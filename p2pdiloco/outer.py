@@ -13,9 +13,8 @@ Per round (see diloco.py for the math, averaging.py for the round itself):
             carries it.
     full groups (`full_groups`): a group forms once every live peer is in, and every member
             counts its next inner_steps from the moment the group formed, so the next round
-            finds them all ready at once. With `matchmaking_lead`, it enters matchmaking ahead of
-            that by the group's mean wait for its last member (diloco.matchmaking_lead), so that
-            rounds form every inner_steps steps, not inner_steps plus the spread of arrivals.
+            finds them all ready at once. With `matchmaking_lead` (off: measured worse), it enters
+            matchmaking ahead of that by the group's mean wait for its last member.
 
 Peer mixes this in; it reads and writes the Peer's state (anchor, momentum, outer_step, model).
 """

@@ -72,13 +72,13 @@ SIZES = {
 # The decoupled swarm's mechanisms (config keys), each switched on and off for `bench.py ablation`:
 # "all" is the defaults, "none" the first version (identical anchors, resync by download on a mismatch).
 MECHANISMS = ("merge_anchors", "full_groups", "matchmaking_lead", "eager_outer", "dynamic_inner_steps")
-DEFAULTS = {"merge_anchors": True, "full_groups": True, "matchmaking_lead": True, "eager_outer": True}
+DEFAULTS = {"merge_anchors": True, "full_groups": True, "eager_outer": True}
 VARIANTS = {
     "none": {},
     "all": DEFAULTS,
     "no_merge": {**DEFAULTS, "merge_anchors": False},
     "no_full": {**DEFAULTS, "full_groups": False},
-    "no_lead": {**DEFAULTS, "matchmaking_lead": False},
+    "all_lead": {**DEFAULTS, "matchmaking_lead": True},
     "no_eager": {**DEFAULTS, "eager_outer": False},
     "all_dynamic": {**DEFAULTS, "dynamic_inner_steps": True},
     "all_share": {**DEFAULTS, "group_share": True},
