@@ -197,6 +197,7 @@ class SwarmRounds:
                 self.metrics.log("bad_contribution", sender=peer, reason=why, outer_step=self.outer_step)
         if not outcome.ok:
             self._undo_preview(pending)
+            self._count_from_formation(pending)
             self.metrics.log("round_failed", reason=outcome.reason, outer_step=self.outer_step,
                              round_s=outcome.round_s)
             self.rounds_failed += 1
@@ -233,10 +234,7 @@ class SwarmRounds:
         load_flat_(self.model, diloco.merge_local(self.anchor, local, base))
         self._params_changed = True
         self.tokens_since_anchor -= tokens
-        if self.cfg.full_groups and pending.formed_at_step is not None:
-            # count the next inner_steps from the moment the group formed, the same for every member: the
-            # group's next round then finds them all ready at once instead of spread over the window
-            self.steps_since_round = self.inner_step - pending.formed_at_step
+        if self._count_from_formation(pending):
             self._schedule_lead(pending, members)
         self.swarm_outer_step = max(self.swarm_outer_step, self.outer_step)
         if not self.cfg.client_mode:
@@ -256,6 +254,17 @@ class SwarmRounds:
                          digest=diloco.anchor_digest(self.anchor, self.digest_idx))
         if self.outer_step % self.cfg.checkpoint_every == 0:
             self._save_checkpoint()
+        return True
+
+    def _count_from_formation(self, pending: PendingRound) -> bool:
+        """full_groups: count the next inner_steps from the moment the group formed, the same for every
+        member, so that the group's next round finds them all ready at once instead of spread over the
+        window. Also after a round that formed and then failed: counting from each member's own start
+        then split a fault-free swarm into two halves a window apart, which met again only in merges
+        (docs/benchmarks.md, "a failed round splits the swarm"). True if the count was reset."""
+        if not self.cfg.full_groups or pending.formed_at_step is None:
+            return False
+        self.steps_since_round = self.inner_step - pending.formed_at_step
         return True
 
     def _schedule_lead(self, pending: PendingRound, members: list) -> None:

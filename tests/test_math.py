@@ -534,3 +534,29 @@ def test_matchmaking_lead_ignores_bad_reports_and_stays_capped():
     for _ in range(50):
         lead = diloco.matchmaking_lead(lead, [1e9], cap_s=0.75)
     assert lead == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("full_groups,formed_at_step,expected", [
+    (True, 112, 18),    # the round formed at our step 112, then failed: count from the formation
+    (True, None, 30),   # it never formed (nobody else ready): the count from our own start stands
+    (False, 112, 30),   # full_groups off: every member counts from its own start, as before
+])
+def test_a_failed_round_counts_the_next_inner_steps_as_an_applied_one(full_groups, formed_at_step, expected):
+    """The members of a group that formed and then failed must stay in phase, as after an applied
+    round: each counts from the same formation, not from its own entry into matchmaking."""
+    import concurrent.futures
+
+    from p2pdiloco.averaging import RoundOutcome
+    from p2pdiloco.metrics import Metrics
+    from p2pdiloco.outer import PendingRound, SwarmRounds
+
+    loop = SwarmRounds()  # the round half of a peer, without the peer: no network is touched here
+    loop.cfg, loop.metrics = Config(full_groups=full_groups), Metrics(None, "a")
+    loop.rounds_failed, loop.outer_step = 0, 3
+    loop.inner_step, loop.steps_since_round = 130, 30   # we entered matchmaking at step 100
+    future = concurrent.futures.Future()
+    future.set_result(RoundOutcome(ok=False, reason="incomplete round: 5888 of 120576 values never came back"))
+    snapshot = torch.zeros(4)
+    pending = PendingRound(future, snapshot, snapshot, 0, 1.0, 0, start_step=100, formed_at_step=formed_at_step)
+    assert loop._finish_round(pending) is False
+    assert loop.steps_since_round == expected and loop.rounds_failed == 1
