@@ -175,7 +175,6 @@ class RoundOutcome:
     round_s: float = 0.0
     anchor: Optional[torch.Tensor] = None    # a merge round: the members' merged anchor ...
     momentum: Optional[torch.Tensor] = None  # ... and outer momentum, before this round's outer step
-    alone: bool = False  # matchmaking found nobody else ready in its window
 
 
 class _CountingStub:
@@ -578,14 +577,13 @@ class RoundRunner:
             result = control.result()
         except BaseException as e:  # hivemind raises many types here, all meaning "no usable round"
             reason = str(e) or type(e).__name__
-            alone = "could not find a group" in reason
-            if alone:
+            if "could not find a group" in reason:
                 reason = "no group: nobody else was ready in the matchmaking window"
             elif isinstance(e, (TimeoutError, asyncio.TimeoutError)):
                 reason = f"all-reduce did not finish within allreduce_timeout={self.cfg.allreduce_timeout}s"
-            return RoundOutcome(ok=False, reason=reason[:300], round_s=time.monotonic() - t0, alone=alone)
+            return RoundOutcome(ok=False, reason=reason[:300], round_s=time.monotonic() - t0)
         if result is None:
-            return RoundOutcome(ok=False, reason="no group", round_s=time.monotonic() - t0, alone=True)
+            return RoundOutcome(ok=False, reason="no group", round_s=time.monotonic() - t0)
         members, report = result["gathered"], result["report"]
         outcome = RoundOutcome(ok=False, members=members, report=report)
         # every member derives the same policy from the same announcements

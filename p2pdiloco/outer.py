@@ -198,9 +198,6 @@ class SwarmRounds:
         if not outcome.ok:
             self._undo_preview(pending)
             self._count_from_formation(pending)
-            if outcome.alone and self.cfg.full_groups and self.swarm_size > 1:
-                # early by more than the window: meet the others now, not H steps later in another phase
-                self.steps_since_round = max(self.steps_since_round, self.due_steps)
             self.metrics.log("round_failed", reason=outcome.reason, outer_step=self.outer_step,
                              round_s=outcome.round_s)
             self.rounds_failed += 1
@@ -264,8 +261,7 @@ class SwarmRounds:
         member, so that the group's next round finds them all ready at once instead of spread over the
         window. Also after a round that formed and then failed: counting from each member's own start
         then split a fault-free swarm into two halves a window apart, which met again only in merges
-        (docs/benchmarks.md, "a failed round splits the swarm"). A member that found nobody in its
-        window retries at once (in _finish_round) for the same reason. True if the count was reset."""
+        (docs/benchmarks.md, "a failed round splits the swarm"). True if the count was reset."""
         if not self.cfg.full_groups or pending.formed_at_step is None:
             return False
         self.steps_since_round = self.inner_step - pending.formed_at_step

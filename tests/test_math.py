@@ -536,18 +536,14 @@ def test_matchmaking_lead_ignores_bad_reports_and_stays_capped():
     assert lead == pytest.approx(0.75)
 
 
-@pytest.mark.parametrize("full_groups,formed_at_step,alone,swarm_size,expected", [
-    (True, 112, False, 4, 18),   # the round formed at our step 112, then failed: count from the formation
-    (True, None, False, 4, 30),  # it failed before forming: the count from our own start stands
-    (True, None, True, 4, 50),   # nobody else was in the window: due at once, to meet the others now
-    (True, None, True, 1, 30),   # ... unless we are alone in the swarm: then every H steps, as before
-    (False, 112, False, 4, 30),  # full_groups off: every member counts from its own start, as before
-    (False, None, True, 4, 30),
+@pytest.mark.parametrize("full_groups,formed_at_step,expected", [
+    (True, 112, 18),    # the round formed at our step 112, then failed: count from the formation
+    (True, None, 30),   # it never formed (nobody else ready): the count from our own start stands
+    (False, 112, 30),   # full_groups off: every member counts from its own start, as before
 ])
-def test_a_failed_round_keeps_the_members_in_phase(full_groups, formed_at_step, alone, swarm_size, expected):
-    """The members of a group that formed and then failed stay in phase, as after an applied round:
-    each counts from the same formation, not from its own entry into matchmaking. A member that
-    found nobody in its window is due again at once."""
+def test_a_failed_round_counts_the_next_inner_steps_as_an_applied_one(full_groups, formed_at_step, expected):
+    """The members of a group that formed and then failed must stay in phase, as after an applied
+    round: each counts from the same formation, not from its own entry into matchmaking."""
     import concurrent.futures
 
     from p2pdiloco.averaging import RoundOutcome
@@ -555,11 +551,11 @@ def test_a_failed_round_keeps_the_members_in_phase(full_groups, formed_at_step, 
     from p2pdiloco.outer import PendingRound, SwarmRounds
 
     loop = SwarmRounds()  # the round half of a peer, without the peer: no network is touched here
-    loop.cfg, loop.metrics = Config(full_groups=full_groups, inner_steps=50), Metrics(None, "a")
-    loop.rounds_failed, loop.outer_step, loop.swarm_size, loop.due_steps = 0, 3, swarm_size, 50
+    loop.cfg, loop.metrics = Config(full_groups=full_groups), Metrics(None, "a")
+    loop.rounds_failed, loop.outer_step = 0, 3
     loop.inner_step, loop.steps_since_round = 130, 30   # we entered matchmaking at step 100
     future = concurrent.futures.Future()
-    future.set_result(RoundOutcome(ok=False, reason="a failed round", alone=alone))
+    future.set_result(RoundOutcome(ok=False, reason="incomplete round: 5888 of 120576 values never came back"))
     snapshot = torch.zeros(4)
     pending = PendingRound(future, snapshot, snapshot, 0, 1.0, 0, start_step=100, formed_at_step=formed_at_step)
     assert loop._finish_round(pending) is False
