@@ -23,8 +23,8 @@ Every `join` config key is a keyword here (`outer_lr=0.7`, `log_dir="runs/a"`,
 `checkpoint_dir=...`, `host_maddrs=[...]`); `config="peers/x.toml"` reads a preset first. Peers
 average only with peers whose model has the same parameter names and shapes (a signature of the
 module is part of the run's fingerprint). Tuning: `inner_steps` so that a round (a few seconds on
-the internet) overlaps many steps; `outer_lr` 0.7 with `outer_momentum` 0.6 measured best for 4
-peers of the tiny preset (docs/benchmarks.md).
+the internet) overlaps many steps; `outer_lr` 0.5 with `outer_momentum` 0.9 measured best for 4
+peers of the tiny preset over long runs (docs/benchmarks.md).
 """
 
 from __future__ import annotations

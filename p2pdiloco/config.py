@@ -82,9 +82,9 @@ class Config:
     grad_clip: float = _f(1.0, "Clip the inner gradient norm to this value (0 = off).")
 
     # --- outer loop (Nesterov on CPU) ----------------------------------------------------
-    outer_lr: float = _f(0.7, "Outer Nesterov learning rate (DiLoCo's 0.7; with momentum 0.6 it won the tiny "
-                              "preset's sweep, docs/benchmarks.md).")
-    outer_momentum: float = _f(0.9, "Outer Nesterov momentum (0.6 beat 0.9 for the tiny preset's late updates).")
+    outer_lr: float = _f(0.7, "Outer Nesterov learning rate (DiLoCo's 0.7; the tiny preset's 4 peers measured "
+                              "best at 0.5 over long runs, docs/benchmarks.md).")
+    outer_momentum: float = _f(0.9, "Outer Nesterov momentum.")
     max_staleness: int = _f(4, "A peer this many outer steps behind the swarm reloads state instead of contributing.")
     group_share: bool = _f(False, "Experimental: scale a group's average by its share of the live swarm (members / "
                                   "live peers), so that several small groups move the anchor as far as one full "

@@ -98,7 +98,7 @@ def test_ablation_and_sweep_run_at_quick_size(tmp_path, corpus):
     assert {g["what"] for g in ablation["gaps_pct"]} >= {"all_h20 vs sync_h20", "sync_h40 vs ddp"}
     # the baseline runs at its own tuned outer optimizer, the swarm at the preset's
     assert (ablation["runs"]["sync_h20"]["outer_lr"], ablation["runs"]["sync_h20"]["outer_momentum"]) == (1.0, 0.6)
-    assert (ablation["runs"]["all_h20"]["outer_lr"], ablation["runs"]["all_h20"]["outer_momentum"]) == (0.7, 0.6)
+    assert (ablation["runs"]["all_h20"]["outer_lr"], ablation["runs"]["all_h20"]["outer_momentum"]) == (0.5, 0.9)
     sweep = comps["sweep"]
     assert len(sweep["runs"]) == 12 and set(sweep["best"]) == {"sync", "decoupled"}
     cell = sweep["runs"]["sync_lr0p5_m0p9"]
