@@ -153,11 +153,12 @@ class SwarmRounds:
             anchor, momentum = (self.anchor, self.momentum) if self.merging else (None, None)
         if too_stale:  # too old to help: contribute nothing, take the group's anchor in the merge round
             delta.zero_()
+        sent = delta  # what goes to the group; the eager preview below takes our own, honest delta
         if TEST_CORRUPT.startswith("anchor_") and anchor is not None:  # its digest differs: every round merges
             anchor = corrupt_for_test(anchor, TEST_CORRUPT.removeprefix("anchor_"))
             digest = [v + 1.0 for v in digest]
-        elif TEST_CORRUPT:
-            delta = corrupt_for_test(delta, TEST_CORRUPT)
+        elif TEST_CORRUPT:  # only the outgoing values: a faulty sender's own model must not blow up first
+            sent = corrupt_for_test(delta, TEST_CORRUPT)
         # per_contribution: equal weights, so slot j of the average is member j's pseudo-gradient / group size
         weight = 1.0 if cfg.outer_apply == "per_contribution" else contribution_weight(self.tokens_since_anchor, age)
         if too_stale:  # a zero pseudo-gradient must not dilute the others' average
@@ -183,7 +184,7 @@ class SwarmRounds:
 
         pending = PendingRound(None, snapshot, base, self.tokens_since_anchor, weight, age,
                                start_step=self.inner_step, started_at=time.monotonic())
-        pending.future = self.rounds.start(delta, weight=weight, gather=gather, anchor=anchor, momentum=momentum,
+        pending.future = self.rounds.start(sent, weight=weight, gather=gather, anchor=anchor, momentum=momentum,
                                            on_allreduce=formed)
         return pending
 
