@@ -137,6 +137,10 @@ class Config:
     use_relay: bool = _f(True, "Allow connections through relays.")
     use_auto_relay: bool = _f(False, "Look for relays automatically when unreachable.")
     bootstrap_timeout: float = _f(20.0, "Seconds to reach the initial peers before giving up.")
+    reachability: str = _f("auto", "auto: after joining, ask other peers to dial this one back; if none can, "
+                                   "average as a client (send parts, reduce none: only outbound connections "
+                                   "needed). public: skip the check, always reduce. client: the same as "
+                                   "client_mode for averaging, the DHT stays a server.")
 
     # --- checkpoints -------------------------------------------------------------------------
     checkpoint_dir: str = _f("", "Directory for restartable checkpoints (written atomically; the last 2 are kept).")
@@ -195,6 +199,8 @@ class Config:
              "outer_apply = per_contribution needs target_group_size <= 16 (it sends that many vectors)")
         need(math.isfinite(self.slowdown) and self.slowdown >= 1, f"slowdown must be >= 1, got {self.slowdown}")
         need(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, f"bad device {self.device!r}")
+        need(self.reachability in ("auto", "public", "client"),
+             f"reachability must be auto, public or client, got {self.reachability!r}")
         for key in ("initial_peers", "host_maddrs", "announce_maddrs"):
             value = getattr(self, key)
             need(isinstance(value, list) and all(isinstance(v, str) for v in value),
