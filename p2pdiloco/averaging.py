@@ -388,7 +388,7 @@ class DilocoAverager(hivemind.DecentralizedAverager):
     ContributionPolicy and diloco.merge_weights), and nobody needs to download a state."""
 
     def __init__(self, averaged_tensors, dht, *, cfg, state_fn: Callable[[], tuple], slots: int = 1,
-                 merge_size: int = 0, **kwargs):
+                 merge_size: int = 0, client_mode: Optional[bool] = None, **kwargs):
         self._state_fn = state_fn
         self._slots = slots  # > 1: each member's pseudo-gradient keeps its own slot (outer_apply = per_contribution)
         self.merge_size = merge_size
@@ -409,7 +409,8 @@ class DilocoAverager(hivemind.DecentralizedAverager):
             min_matchmaking_time=cfg.matchmaking_time, request_timeout=cfg.request_timeout,
             allreduce_timeout=cfg.allreduce_timeout, next_chunk_timeout=cfg.next_chunk_timeout,
             compression=compression, state_compression=NoCompression(),
-            allow_state_sharing=False, declare_state_period=10.0, client_mode=cfg.client_mode,
+            allow_state_sharing=False, declare_state_period=10.0,
+            client_mode=cfg.client_mode if client_mode is None else client_mode,
             part_size_bytes=part_size_bytes, shutdown_timeout=3, **kwargs,
         )
 

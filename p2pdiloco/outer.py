@@ -87,7 +87,7 @@ class SwarmRounds:
         self._params_changed = True
         self.tokens_since_anchor = tokens_kept if keep_local else 0
         self.steps_since_round = self.cfg.inner_steps if keep_local else 0
-        if not self.cfg.client_mode:
+        if not self.averager.client_mode:
             self.averager.state_sharing_priority = float(self.outer_step)
 
     def _round_bound(self) -> float:
@@ -238,7 +238,7 @@ class SwarmRounds:
         if self._count_from_formation(pending):
             self._schedule_lead(pending, members)
         self.swarm_outer_step = max(self.swarm_outer_step, self.outer_step)
-        if not self.cfg.client_mode:
+        if not self.averager.client_mode:
             self.averager.state_sharing_priority = float(self.outer_step)
         report = outcome.report
         self.last_group_size = len(members)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import dataclasses
 import logging
 import math
 import signal
@@ -24,7 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
-from p2pdiloco import checkpoint, diloco, sinks, state, swarm
+from p2pdiloco import checkpoint, diloco, reachability, sinks, state, swarm
 from p2pdiloco.averaging import DilocoAverager, RoundRunner, quiet_lonely_rounds
 from p2pdiloco.data import load_data
 from p2pdiloco.metrics import Metrics
@@ -124,6 +125,7 @@ class Peer(SwarmRounds):
         sinks.check_installed(tensorboard_dir=cfg.tensorboard_dir, wandb_project=cfg.wandb_project)
         quiet_lonely_rounds()
         self.dht = swarm.start_dht(cfg)
+        self.reach = self._check_reachability()
         self.peer_id = str(self.dht.peer_id)
         self.metrics = Metrics(cfg.log_dir or None, self.peer_id, quiet=self.quiet, tensorboard_dir=cfg.tensorboard_dir,
                                wandb_project=cfg.wandb_project, run_config=cfg.to_dict())
@@ -131,6 +133,9 @@ class Peer(SwarmRounds):
             swarm.write_maddrs(self.dht, cfg.maddrs_file)
         self.maddrs = swarm.visible_maddrs(self.dht)
         self._progress(f"p2pdiloco: peer {self.peer_id} up at {' '.join(self.maddrs)}")
+        self._progress(self.reach.explain(cfg, forced=cfg.client_mode or cfg.reachability == "client"))
+        self.metrics.log("reachability", mode=self.reach.mode, reached=self.reach.reached, tried=self.reach.tried,
+                         answers=self.reach.answers, errors=self.reach.errors, check_s=self.reach.check_s)
         swarm.check_run_config(self.dht, cfg)
         self._announced = time.monotonic()
         slots = cfg.target_group_size if cfg.outer_apply == "per_contribution" else 1
@@ -138,11 +143,36 @@ class Peer(SwarmRounds):
         self.merging = cfg.merge_anchors and slots == 1
         self.averager = DilocoAverager([torch.zeros(self.numel * (3 if self.merging else slots))], self.dht,
                                        cfg=cfg, state_fn=self.shared_state, slots=slots,
-                                       merge_size=self.numel if self.merging else 0)
+                                       merge_size=self.numel if self.merging else 0, client_mode=self.reach.client)
         self.rounds = RoundRunner(self.averager, self.dht, cfg)
         # again: hivemind's averager sets SIGINT to ignored when it starts
         if self.handle_signals:
             self._install_signal_handlers()
+
+    def _check_reachability(self) -> reachability.Reachability:
+        """Ask other peers to dial us back (reachability = auto); a peer nobody can dial averages as a
+        client, and its DHT restarts as a client so that nobody's lookups wait on it."""
+        cfg = self.cfg
+        if cfg.client_mode or cfg.reachability == "client":
+            reach = reachability.Reachability(mode="client")
+        elif all(swarm.is_loopback(m) for m in cfg.host_maddrs):
+            reach = reachability.Reachability(mode="local")
+        elif cfg.reachability == "public" or not cfg.initial_peers:
+            reach = reachability.Reachability(mode="unknown" if cfg.reachability == "auto" else "direct")
+        else:
+            try:
+                progress = swarm.read_progress(self.dht, cfg, timeout=5.0)
+            except Exception as e:  # a slow read: the initial peers may still answer
+                logger.debug(f"progress read failed: {e!r}")
+                progress = {}
+            maddrs = [str(a) for a in self.dht.get_visible_maddrs(latest=True)]
+            reach = reachability.check(self.dht, cfg, maddrs, reachability.helpers_for(self.dht, cfg, progress))
+        if reach.client and cfg.reachability == "auto" and not cfg.client_mode:
+            self.dht.shutdown()
+            self.dht = swarm.start_dht(dataclasses.replace(cfg, client_mode=True))
+        if not reach.client:
+            reachability.serve(self.dht)
+        return reach
 
     def _data_order(self) -> torch.Generator:
         """Each peer (each rank of a torchrun peer) reads the corpus in its own order."""
@@ -216,7 +246,7 @@ class Peer(SwarmRounds):
                                f"({self.numel * 8 / 1e6:.1f} MB in {loaded.download_s:.2f}s)")
             elif self.resume is None:
                 self._progress("p2pdiloco: no peer shares state; starting from the run's initial weights")
-        if not self.cfg.client_mode:
+        if not self.reach.client:  # a client cannot be dialed: a joiner must never pick it as a source
             self.averager.state_sharing_priority = float(self.outer_step)
             self.averager.allow_state_sharing = True
         if self.cfg.wait_for_peers > 1:
@@ -414,7 +444,7 @@ class Peer(SwarmRounds):
         """What `status` and `monitor` show of this peer (and what the staleness check reads)."""
         return {"outer_step": self.outer_step, "inner_step": self.inner_step, "loss": self.last_loss,
                 "tokens_per_s": tokens_per_s, "tokens": self.tokens, "device": self.device_name,
-                "maddrs": self.maddrs[:4], "group_size": self.last_group_size, "rounds_applied": self.rounds_applied,
+                "maddrs": self.maddrs[:4], "reachability": self.reach.mode, "group_size": self.last_group_size, "rounds_applied": self.rounds_applied,
                 "rounds_failed": self.rounds_failed, "eval_loss": self.last_eval_loss, "time": time.time()}
 
     @torch.no_grad()

@@ -172,6 +172,19 @@ def address(record: dict, prefer_loopback: bool = False) -> str:
     return ordered[0].split("/p2p/")[0] if ordered else "?"
 
 
+REACH_MODES = ("direct", "client", "unknown", "local")
+
+
+def reach(record: dict) -> str:
+    """How others reach the peer (reachability.py): direct, client (outbound only), relayed (a client
+    that also holds a relay reservation), unknown or local; '?' for a peer that did not say."""
+    mode = record.get("reachability")
+    if mode not in REACH_MODES:
+        return "?"
+    relayed = any("p2p-circuit" in m for m in record.get("maddrs") or [] if isinstance(m, str))
+    return "relayed" if mode == "client" and relayed else mode
+
+
 def _num(value: Any, fmt: str) -> str:
     if _is_number(value) and math.isfinite(value):
         return format(value, fmt)
@@ -189,13 +202,13 @@ def summary(records: list[dict]) -> dict:
 
 def format_table(records: list[dict], run_id: str, now: float | None = None, prefer_loopback: bool = False) -> str:
     now = time.time() if now is None else now
-    header = ("PEER", "ADDRESS", "DEVICE", "OUTER", "INNER", "LOSS", "TOKENS/S", "SEEN")
-    rows = [(r["peer"], address(r, prefer_loopback), str(r.get("device", "?")), _num(r.get("outer_step"), "d"),
+    header = ("PEER", "ADDRESS", "REACH", "DEVICE", "OUTER", "INNER", "LOSS", "TOKENS/S", "SEEN")
+    rows = [(r["peer"], address(r, prefer_loopback), reach(r), str(r.get("device", "?")), _num(r.get("outer_step"), "d"),
              _num(r.get("inner_step"), "d"), _num(r.get("loss"), ".3f"), _num(r.get("tokens_per_s"), ",.0f"),
              f"{max(0.0, now - r['time']):.0f}s ago")
             for r in records]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    right = {3, 4, 5, 6, 7}  # numbers align right
+    right = {4, 5, 6, 7, 8}  # numbers align right
 
     def line(row) -> str:
         return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()

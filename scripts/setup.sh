@@ -16,3 +16,12 @@ if ! command -v chromium >/dev/null 2>&1; then
         echo "note: tests/test_monitor.py needs chromium: apt-get install chromium (as root, Debian)"
     fi
 fi
+# scripts/netns.py's home NATs (Namespaces(nat=...), tests/test_netns.py) need nft (Debian's nftables)
+if ! command -v nft >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables >/dev/null; } \
+            || echo "note: installing nftables failed; the NAT test of tests/test_netns.py needs it"
+    else
+        echo "note: tests/test_netns.py's NAT test needs nft: apt-get install nftables (as root, Debian)"
+    fi
+fi

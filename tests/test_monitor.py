@@ -134,7 +134,7 @@ def test_records_checked_and_history_bounded():
 
     now = time.time()
     good = {"outer_step": 3, "inner_step": 90, "loss": float("nan"), "tokens_per_s": 1000.0, "device": "cpu",
-            "maddrs": ["/ip4/127.0.0.1/tcp/5/p2p/P1"], "time": now - 2}
+            "maddrs": ["/ip4/127.0.0.1/tcp/5/p2p/P1"], "reachability": "direct", "time": now - 2}
     data = {"p2pdiloco_tiny_configs": {"P1": "fp1", "P2": "fp1", "P3": "fp2"},
             "p2pdiloco_tiny_fp1_progress": {"P1": good, "P2": {"outer_step": "7", "time": now, "maddrs": "x"}},
             "p2pdiloco_tiny_fp2_progress": {"P3": {"outer_step": 9}}}  # no time: dropped
@@ -142,7 +142,8 @@ def test_records_checked_and_history_bounded():
     assert [r["peer"] for r in records] == ["P1", "P2"]
     assert records[1]["outer_step"] is None and records[1]["maddrs"] == []  # wrong types are not trusted
     table = format_table(records, "tiny", now=now).splitlines()
-    assert table[1].split()[:7] == ["P1", "/ip4/127.0.0.1/tcp/5", "cpu", "3", "90", "-", "1,000"]
+    assert table[1].split()[:8] == ["P1", "/ip4/127.0.0.1/tcp/5", "direct", "cpu", "3", "90", "-", "1,000"]
+    assert table[2].split()[2] == "?"  # a peer that did not say how it is reached
     assert table[-1] == "2 peer(s), swarm 1,000 tokens/s, highest outer step 3"
 
     watch = SwarmWatch(FakeDHT(data), "tiny", "", interval=1, timeout=1, max_points=3, max_peers=2)
@@ -198,10 +199,11 @@ def test_status_lists_both_peers(swarm):
     text = cli("status", "--initial-peers", swarm.maddr("b"), "--config", TINY)
     assert text.returncode == 0, text.stderr
     lines = text.stdout.strip().splitlines()
-    assert lines[0].split()[:3] == ["PEER", "ADDRESS", "DEVICE"], text.stdout
+    assert lines[0].split()[:4] == ["PEER", "ADDRESS", "REACH", "DEVICE"], text.stdout
     assert {line.split()[0] for line in lines[1:-1]} == ids, text.stdout
     assert lines[-1].startswith("2 peer(s), swarm "), text.stdout
     assert all(" cpu " in line for line in lines[1:-1]), text.stdout
+    assert all(line.split()[2] == "local" for line in lines[1:-1]), text.stdout  # loopback peers: nothing to check
 
 
 def test_monitor_page_in_chromium(swarm, tmp_path):
