@@ -2,13 +2,15 @@
 
     p2pdiloco join --config peers/tiny-cpu.toml --maddrs-file a.txt            # start a swarm
     p2pdiloco join --config peers/tiny-cpu.toml --initial-peers /ip4/.../p2p/...  # join one
+    p2pdiloco join --config peers/tiny-cpu.toml --initial-peers-file a.txt       # ...through a's file
     p2pdiloco status --initial-peers /ip4/.../p2p/... --run-id tiny               # live peers
     p2pdiloco monitor --initial-peers /ip4/.../p2p/... --run-id tiny --port 8080  # live dashboard
     p2pdiloco plot runs/a runs/b -o swarm.png                                     # metrics plots
 
 Every config key is also a flag (`inner_steps` -> `--inner-steps`); flags override the preset.
-Bad input (a flag, a config key, a data path, a multiaddr, unreachable initial peers) gives one
-line on stderr and exit code 2.
+Bad input (a flag, a config key, a data path, a multiaddr, initial peers that still do not answer
+after bootstrap_timeout, or that belong to another run) gives one line on stderr and exit code 2;
+it names the address and why (refused, timed out, wrong peer id, ...).
 """
 
 from __future__ import annotations

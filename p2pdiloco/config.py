@@ -40,7 +40,8 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 
 
 # Fields that name files or directories: a leading ~ is the user's home.
-PATH_KEYS = ("data", "hf_config", "log_dir", "maddrs_file", "identity_path", "checkpoint_dir", "tensorboard_dir")
+PATH_KEYS = ("data", "hf_config", "log_dir", "maddrs_file", "identity_path", "checkpoint_dir", "tensorboard_dir",
+             "initial_peers_file")
 
 # Fields that define the model's shape: peers must agree on them to average together.
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
@@ -130,13 +131,19 @@ class Config:
 
     # --- network --------------------------------------------------------------------------
     initial_peers: list = _f([], "Multiaddrs of any live peers (or stock hivemind DHT nodes) to join through.")
+    initial_peers_file: str = _f("", "File of initial peers' multiaddrs, one a line (what --maddrs-file writes; "
+                                     "blank lines and # comments ignored), added to initial_peers. Read when the "
+                                     "config is resolved.")
     host_maddrs: list = _f(["/ip4/0.0.0.0/tcp/0"], "Multiaddrs to listen on.")
     announce_maddrs: list = _f([], "Multiaddrs to announce to others (your public address).")
     identity_path: str = _f("", "Private key file for a stable peer id (created if missing).")
     client_mode: bool = _f(False, "Do not accept incoming connections (behind NAT); join others' groups only.")
     use_relay: bool = _f(True, "Allow connections through relays.")
     use_auto_relay: bool = _f(False, "Look for relays automatically when unreachable.")
-    bootstrap_timeout: float = _f(20.0, "Seconds to reach the initial peers before giving up.")
+    bootstrap_timeout: float = _f(20.0, "Seconds to reach the initial peers before giving up (dead ones are "
+                                        "retried with backoff until then: start the peers in any order).")
+    startup_timeout: float = _f(30.0, "Seconds the p2pd daemon may take to start (hivemind's 15 s is short on a "
+                                      "loaded machine); connecting to the initial peers comes on top.")
     reachability: str = _f("auto", "auto: after joining, ask other peers to dial this one back; if none can, "
                                    "average as a client (send parts, reduce none: only outbound connections "
                                    "needed). public: skip the check, always reduce. client: the same as "
@@ -177,7 +184,7 @@ class Config:
         need(self.min_group_size <= self.target_group_size, "min_group_size must be <= target_group_size")
         for key in ("inner_lr", "outer_lr", "matchmaking_time", "request_timeout", "allreduce_timeout",
                     "next_chunk_timeout", "verdict_timeout", "log_interval", "state_timeout", "bootstrap_timeout",
-                    "max_norm_ratio"):
+                    "startup_timeout", "max_norm_ratio"):
             value = getattr(self, key)
             need(math.isfinite(value) and value > 0, f"{key} must be a positive number, got {value}")
         for key in ("weight_decay", "grad_clip", "max_time", "warmup_steps", "total_steps", "max_inner_steps",
@@ -211,6 +218,8 @@ class Config:
         for key in PATH_KEYS:  # presets may name files under ~ (the volunteer's identity and checkpoints)
             if getattr(self, key):
                 setattr(self, key, os.path.expanduser(getattr(self, key)))
+        if self.initial_peers_file:  # merged here, so that every reader of initial_peers sees them
+            self.initial_peers = list(dict.fromkeys([*self.initial_peers, *read_peers_file(self.initial_peers_file)]))
         # the parsed HF config: read once, so the fingerprint and the model come from the same bytes
         self._hf_json = _read_hf_json(self.hf_config, self.vocab_size, self.block_size) if self.hf_config else None
 
@@ -293,6 +302,31 @@ def check_multiaddr(addr: str, what: str = "multiaddr") -> None:
         Multiaddr(addr)
     except Exception as e:  # the library raises several unrelated types
         raise ConfigError(f"malformed {what} {addr!r}: {e}") from None
+
+
+def read_peers_file(path: str) -> list[str]:
+    """The multiaddrs in a file, one a line (what --maddrs-file writes); blank lines and # comments skipped."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        raise ConfigError(f"initial_peers_file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read initial_peers_file {path}: {getattr(e, 'strerror', None) or e}") from None
+    addrs = []
+    for number, line in enumerate(lines, 1):
+        addr = line.split("#", 1)[0].strip()
+        if not addr:
+            continue
+        try:
+            check_multiaddr(addr)
+        except ConfigError as e:
+            raise ConfigError(f"initial_peers_file {path} line {number}: {e}") from None
+        if "/p2p/" not in addr:
+            raise ConfigError(f"initial_peers_file {path} line {number}: {addr!r} has no /p2p/<peer id> part")
+        addrs.append(addr)
+    if not addrs:
+        raise ConfigError(f"no multiaddrs in initial_peers_file {path}")
+    return addrs
 
 
 def _expand(value: str, *, base: Path) -> Path:

@@ -124,7 +124,7 @@ class Peer(SwarmRounds):
 
         sinks.check_installed(tensorboard_dir=cfg.tensorboard_dir, wandb_project=cfg.wandb_project)
         quiet_lonely_rounds()
-        self.dht = swarm.start_dht(cfg)
+        self.dht = swarm.start_dht(cfg, stop_event=self.stop_event)
         self.reach = self._check_reachability()
         self.peer_id = str(self.dht.peer_id)
         self.metrics = Metrics(cfg.log_dir or None, self.peer_id, quiet=self.quiet, tensorboard_dir=cfg.tensorboard_dir,
@@ -168,8 +168,12 @@ class Peer(SwarmRounds):
             maddrs = [str(a) for a in self.dht.get_visible_maddrs(latest=True)]
             reach = reachability.check(self.dht, cfg, maddrs, reachability.helpers_for(self.dht, cfg, progress))
         if reach.client and cfg.reachability == "auto" and not cfg.client_mode:
+            # the initial peers may be gone by now: bootstrap through every live peer we know of
+            learned = swarm.learned_peers(self.dht, cfg)
             self.dht.shutdown()
-            self.dht = swarm.start_dht(dataclasses.replace(cfg, client_mode=True))
+            self.dht = swarm.start_dht(dataclasses.replace(cfg, client_mode=True,
+                                                           initial_peers=[*cfg.initial_peers, *learned]),
+                                       stop_event=self.stop_event)
         if not reach.client:
             reachability.serve(self.dht)
         return reach

@@ -101,11 +101,14 @@ def test_stock_hivemind_dht_as_initial_peer(tmp_path, corpus):
 
 
 def test_other_run_id_never_averages(tmp_path, corpus):
+    """Two runs that share a DHT (through a stock node: joining through a peer of another run is
+    refused, tests/test_bootstrap.py) never average together."""
     args = ["--data", str(corpus), "--inner-steps", "30", "--state-timeout", "3"]
     with LocalSwarm(tmp_path, config=TINY, extra_args=args) as swarm:
-        swarm.start("a", "--run-id", "red")
-        swarm.start("b", "--run-id", "blue", join="a")
-        swarm.start("c", "--run-id", "red", join="a")
+        swarm.start_bootstrap("boot")
+        swarm.start("a", "--run-id", "red", join="boot")
+        swarm.start("b", "--run-id", "blue", join="boot")
+        swarm.start("c", "--run-id", "red", join="boot")
         swarm.wait_for(lambda: len(swarm.events("a", "outer")) >= 2, timeout=120, what="red averages")
         swarm.wait_for(lambda: len(swarm.events("b", "round_failed")) >= 2, timeout=60, what="blue alone")
         assert not swarm.events("b", "outer"), "a peer of another run joined a group"
