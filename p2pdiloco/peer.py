@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
-from p2pdiloco import checkpoint, diloco, reachability, sinks, state, swarm
+from p2pdiloco import bootstrap, checkpoint, diloco, reachability, sinks, state, swarm
 from p2pdiloco.averaging import DilocoAverager, RoundRunner, quiet_lonely_rounds
 from p2pdiloco.data import load_data
 from p2pdiloco.metrics import Metrics
@@ -124,7 +124,7 @@ class Peer(SwarmRounds):
 
         sinks.check_installed(tensorboard_dir=cfg.tensorboard_dir, wandb_project=cfg.wandb_project)
         quiet_lonely_rounds()
-        self.dht = swarm.start_dht(cfg, stop_event=self.stop_event)
+        self.dht = bootstrap.start_dht(cfg, stop_event=self.stop_event)
         self.reach = self._check_reachability()
         self.peer_id = str(self.dht.peer_id)
         self.metrics = Metrics(cfg.log_dir or None, self.peer_id, quiet=self.quiet, tensorboard_dir=cfg.tensorboard_dir,
@@ -171,7 +171,7 @@ class Peer(SwarmRounds):
             # the initial peers may be gone by now: bootstrap through every live peer we know of
             learned = swarm.learned_peers(self.dht, cfg)
             self.dht.shutdown()
-            self.dht = swarm.start_dht(dataclasses.replace(cfg, client_mode=True,
+            self.dht = bootstrap.start_dht(dataclasses.replace(cfg, client_mode=True,
                                                            initial_peers=[*cfg.initial_peers, *learned]),
                                        stop_event=self.stop_event)
         if not reach.client:
@@ -448,7 +448,8 @@ class Peer(SwarmRounds):
         """What `status` and `monitor` show of this peer (and what the staleness check reads)."""
         return {"outer_step": self.outer_step, "inner_step": self.inner_step, "loss": self.last_loss,
                 "tokens_per_s": tokens_per_s, "tokens": self.tokens, "device": self.device_name,
-                "maddrs": self.maddrs[:4], "reachability": self.reach.mode, "group_size": self.last_group_size, "rounds_applied": self.rounds_applied,
+                "maddrs": self.maddrs[:4], "reachability": self.reach.mode,
+                "group_size": self.last_group_size, "rounds_applied": self.rounds_applied,
                 "rounds_failed": self.rounds_failed, "eval_loss": self.last_eval_loss, "time": time.time()}
 
     @torch.no_grad()

@@ -28,7 +28,8 @@ from typing import Optional
 
 from hivemind.p2p import PeerID
 from hivemind.proto.runtime_pb2 import ExpertUID  # a message with one string field: our JSON travels in it
-from hivemind.utils.multiaddr import Multiaddr
+
+from p2pdiloco import swarm
 
 logger = logging.getLogger(__name__)
 
@@ -163,25 +164,13 @@ async def _ask(_dht, node, helpers: list, maddrs: list) -> list:
     return list(await asyncio.gather(*(one(p) for p in helpers)))
 
 
-def _peer_ids_of(maddrs) -> list[str]:
-    ids = []
-    for m in maddrs:
-        try:
-            peer = str(Multiaddr(m).get("p2p"))
-        except Exception:  # no /p2p/ part: nothing to ask
-            continue
-        if peer not in ids:
-            ids.append(peer)
-    return ids
-
-
 def helpers_for(dht, cfg, progress: Optional[dict] = None) -> list[str]:
     """Peers to ask: the initial peers, then live peers of the run (from their progress records)."""
     me = str(dht.peer_id)
-    candidates = _peer_ids_of(cfg.initial_peers) + list(progress or {})
+    candidates = [swarm.peer_id_of(m) for m in cfg.initial_peers] + list(progress or {})
     out = []
     for peer in candidates:
-        if peer != me and peer not in out:
+        if peer and peer != me and peer not in out:
             out.append(peer)
     return out[:MAX_HELPERS * 2]
 

@@ -71,10 +71,10 @@ def start_client(cfg):
     """The client DHT node (quiet: hivemind's warnings would garble the table)."""
     import logging
 
-    from p2pdiloco import swarm
+    from p2pdiloco import bootstrap
 
     logging.getLogger("hivemind").setLevel(logging.ERROR)
-    return swarm.start_dht(cfg)
+    return bootstrap.start_dht(cfg)
 
 
 def fail(message: str) -> int:
@@ -203,8 +203,9 @@ def summary(records: list[dict]) -> dict:
 def format_table(records: list[dict], run_id: str, now: float | None = None, prefer_loopback: bool = False) -> str:
     now = time.time() if now is None else now
     header = ("PEER", "ADDRESS", "REACH", "DEVICE", "OUTER", "INNER", "LOSS", "TOKENS/S", "SEEN")
-    rows = [(r["peer"], address(r, prefer_loopback), reach(r), str(r.get("device", "?")), _num(r.get("outer_step"), "d"),
-             _num(r.get("inner_step"), "d"), _num(r.get("loss"), ".3f"), _num(r.get("tokens_per_s"), ",.0f"),
+    rows = [(r["peer"], address(r, prefer_loopback), reach(r), str(r.get("device", "?")),
+             _num(r.get("outer_step"), "d"), _num(r.get("inner_step"), "d"), _num(r.get("loss"), ".3f"),
+             _num(r.get("tokens_per_s"), ",.0f"),
              f"{max(0.0, now - r['time']):.0f}s ago")
             for r in records]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]

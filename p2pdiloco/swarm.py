@@ -1,7 +1,7 @@
-"""Joining the swarm: the hivemind DHT, this peer's addresses, and the small records peers
-publish in the DHT (progress for `status`, the run's config fingerprint, each peer's run).
+"""In the swarm: this peer's addresses, and the small records peers publish in the DHT
+(progress for `status`, the run's config fingerprint, each peer's run). bootstrap.py starts the DHT.
 
-    >>> dht = start_dht(cfg)                  # retries dead initial peers; SwarmError says why none worked
+    >>> dht = bootstrap.start_dht(cfg)        # retries dead initial peers; SwarmError says why none worked
     >>> write_maddrs(dht, "a.txt")
     >>> check_run_config(dht, cfg)            # SwarmError if the run uses another model config
     >>> publish_progress(dht, cfg, {"outer_step": 3, ...})
@@ -12,16 +12,8 @@ Any hivemind DHT node (e.g. `hivemind-dht`) can serve as an initial peer.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import errno
 import logging
 import os
-import re
-import socket
-import threading
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -29,7 +21,7 @@ import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2pdiloco.secret import SecretValidator, public_key, verifier
+from p2pdiloco.secret import public_key, verifier
 
 logger = logging.getLogger(__name__)
 
@@ -42,279 +34,13 @@ def is_loopback(maddr: str) -> bool:
     return maddr.startswith("/ip4/127.") or maddr.startswith("/ip6/::1/")
 
 
-def start_dht(cfg, *, stop_event: Optional[threading.Event] = None) -> hivemind.DHT:
-    """Start this peer's DHT node (and its p2pd daemon) and bootstrap through cfg.initial_peers.
-
-    Initial peers that do not answer are retried with backoff until bootstrap_timeout (peers may
-    start in any order); the DHT starts through those that answer. Raises SwarmError (one line:
-    which addresses failed and why), or KeyboardInterrupt once stop_event is set."""
-    stop_event = stop_event or threading.Event()
-    if cfg.identity_path:
-        Path(cfg.identity_path).parent.mkdir(parents=True, exist_ok=True)
-    if not cfg.initial_peers:
-        try:
-            return _launch(cfg, [], stop_event)
-        except _StartFailed as e:
-            raise SwarmError(f"could not start the DHT on {', '.join(cfg.host_maddrs)}: {e}") from None
-    return _bootstrap(cfg, [parse_initial_peer(a) for a in cfg.initial_peers], stop_event)
-
-
-# --------------------------------------------------------------------------- bootstrapping
-#
-# Why the DHT gets only the initial peers that answered a TCP probe: p2pd connects to its bootstrap
-# peers one after another under a single 60 s budget before it even prints its peer id
-# (go-libp2p-daemon bootstrap.go), so one dead peer that drops packets can eat the whole startup;
-# hivemind then waits bootstrap_timeout for pings that will never come back. The live ones are
-# enough: the DHT learns the rest of the swarm from them.
-
-PROBE_TIMEOUT = 3.0           # one TCP connect to one initial peer
-BACKOFF_FIRST, BACKOFF_MAX = 0.5, 5.0
-P2PD_BOOTSTRAP_S = 60.0       # p2pd gives up connecting to its bootstrap peers after this
-DIAL_TIMEOUT = 8.0            # one libp2p dial from a throwaway daemon, to explain a failed start
-PEER_ID_MISMATCH = "the peer id does not match"
-
-
-@dataclass
-class InitialPeer:
-    addr: str
-    peer_id: str
-    host: Optional[str] = None    # the TCP endpoint a probe connects to (None: not TCP, not probed)
-    port: int = 0
-    family: int = socket.AF_UNSPEC
-
-
-class _StartFailed(Exception):
-    """hivemind.DHT did not start; the message is hivemind's (its last line)."""
-
-
-def parse_initial_peer(addr: str) -> InitialPeer:
-    """Split /ip4|ip6|dns*/HOST/tcp/PORT/.../p2p/ID into what the probe and the diagnosis need."""
+def peer_id_of(maddr: str) -> Optional[str]:
+    """The peer id a multiaddr names (the last /p2p/ part: a relayed address names the relay first)."""
     try:
-        items = [(proto.name, value) for proto, value in Multiaddr(addr).items()]
-    except Exception as e:  # the vendored multiaddr raises several unrelated types
-        raise SwarmError(f"malformed initial peer {addr!r}: {e}") from None
-    ids = [value for name, value in items if name == "p2p"]
-    if not ids:
-        raise SwarmError(f"initial peer {addr} has no /p2p/<peer id> part: copy the whole address a peer prints")
-    peer = InitialPeer(addr, ids[-1])  # the last one: a relayed address names the relay first
-    families = {"ip4": socket.AF_INET, "ip6": socket.AF_INET6, "dns4": socket.AF_INET, "dns6": socket.AF_INET6,
-                "dns": socket.AF_UNSPEC}
-    for (name, value), (next_name, next_value) in zip(items, items[1:]):
-        if name in families and next_name == "tcp":
-            peer.host, peer.port, peer.family = value, int(next_value), families[name]
-            break
-    return peer
-
-
-def probe(peer: InitialPeer, timeout: float = PROBE_TIMEOUT) -> Optional[str]:
-    """None if the peer's TCP port accepts a connection (or it has none to probe), else why not."""
-    if peer.host is None:
+        ids = [value for proto, value in Multiaddr(maddr).items() if proto.name == "p2p"]
+    except Exception:  # the vendored multiaddr raises several unrelated types
         return None
-    try:
-        infos = socket.getaddrinfo(peer.host, peer.port, peer.family, socket.SOCK_STREAM)
-    except socket.gaierror:
-        return "name does not resolve"
-    error: Optional[OSError] = None
-    for family, kind, proto, _, sockaddr in infos[:4]:
-        try:
-            with socket.socket(family, kind, proto) as sock:
-                sock.settimeout(timeout)
-                sock.connect(sockaddr)
-            return None
-        except OSError as e:
-            error = e
-    return _socket_reason(error)
-
-
-def _socket_reason(e: Optional[OSError]) -> str:
-    if isinstance(e, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(e, TimeoutError):  # socket.timeout too
-        return "timed out"
-    if e is not None and e.errno == errno.EHOSTUNREACH:
-        return "no route to host"
-    if e is not None and e.errno == errno.ENETUNREACH:
-        return "network unreachable"
-    return (e.strerror or str(e)) if e is not None else "no address"
-
-
-def _probe_all(peers: list[InitialPeer]) -> dict[str, Optional[str]]:
-    """Probe every peer at once; a name lookup that hangs counts as not resolving."""
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(peers)))
-    try:
-        futures = {p.addr: pool.submit(probe, p) for p in peers}
-        concurrent.futures.wait(futures.values(), timeout=PROBE_TIMEOUT + 2)
-        return {a: f.result() if f.done() else "name does not resolve (lookup timed out)" for a, f in futures.items()}
-    finally:
-        pool.shutdown(wait=False)
-
-
-def _bootstrap(cfg, peers: list[InitialPeer], stop_event: threading.Event) -> hivemind.DHT:
-    """Probe the initial peers until one answers, start the DHT through those that do; retry both
-    with exponential backoff until bootstrap_timeout."""
-    t0 = time.monotonic()
-    deadline = t0 + cfg.bootstrap_timeout
-    why: dict[str, str] = {}      # address -> why it failed last
-    wrong: set[str] = set()       # addresses that will never work: another peer answers there
-    delay, attempts = BACKOFF_FIRST, 0
-    while True:
-        attempts += 1
-        candidates = [p for p in peers if p.addr not in wrong]
-        answers = _probe_all(candidates)
-        why.update({a: r for a, r in answers.items() if r is not None})
-        live = [p for p in candidates if answers[p.addr] is None]
-        if live:
-            try:
-                return _launch(cfg, [p.addr for p in live], stop_event)
-            except _StartFailed as e:
-                causes = _diagnose(live, str(e))
-                if all(c is None for c in causes.values()) and not _ping_failed(str(e)):
-                    # every peer answers libp2p: the trouble is on our side (a port in use, p2pd itself)
-                    raise SwarmError(f"could not start the DHT on {', '.join(cfg.host_maddrs)}: {e}") from None
-                why.update({a: c or _dht_reason(str(e)) for a, c in causes.items()})
-                wrong |= {a for a, c in causes.items() if c and c.startswith(PEER_ID_MISMATCH)}
-        now = time.monotonic()
-        if now >= deadline or len(wrong) == len(peers):
-            raise SwarmError(_join_error(peers, why, now - t0, retried=attempts > 1))
-        logger.info(f"no initial peer could be joined yet ({'; '.join(f'{a}: {r}' for a, r in why.items())}); "
-                    f"retrying in {delay:.1f}s")
-        if stop_event.wait(min(delay, deadline - now)):
-            raise KeyboardInterrupt
-        delay = min(2 * delay, BACKOFF_MAX)
-
-
-def _join_error(peers: list[InitialPeer], why: dict[str, str], elapsed: float, retried: bool) -> str:
-    tried = f" (retried for {elapsed:.0f} s)" if retried else ""
-    if len(peers) == 1:
-        return f"could not join through {peers[0].addr}: {why.get(peers[0].addr, 'no answer')}{tried}"
-    return (f"could not join through any of {len(peers)} initial peers{tried}: "
-            + "; ".join(f"{p.addr}: {why.get(p.addr, 'no answer')}" for p in peers))
-
-
-def _launch(cfg, initial_peers: list[str], stop_event: threading.Event) -> hivemind.DHT:
-    """Start hivemind's DHT process; raise _StartFailed with hivemind's reason, KeyboardInterrupt on stop."""
-    local_only = all(is_loopback(m) for m in cfg.host_maddrs)
-    # p2pd prints its id (what hivemind's startup_timeout waits for) only after connecting to its
-    # bootstrap peers, which it may take up to 60 s to do
-    startup_timeout = cfg.startup_timeout + (min(P2PD_BOOTSTRAP_S, cfg.bootstrap_timeout) if initial_peers else 0)
-    kwargs = dict(
-        initial_peers=initial_peers or None,
-        host_maddrs=list(cfg.host_maddrs),
-        announce_maddrs=list(cfg.announce_maddrs) or None,
-        identity_path=cfg.identity_path or None,
-        client_mode=cfg.client_mode,
-        use_relay=cfg.use_relay,
-        use_auto_relay=cfg.use_auto_relay,
-        bootstrap_timeout=cfg.bootstrap_timeout,
-        startup_timeout=startup_timeout,
-        ensure_bootstrap_success=True,
-        # a loopback-only peer has nothing to map on a router: no UPnP/NAT-PMP traffic
-        nat_port_map=not local_only,
-        auto_nat=not local_only,
-    )
-    validators = [SecretValidator(cfg.run_secret, cfg.run_id)] if cfg.run_secret else []
-    dht = hivemind.DHT(start=True, await_ready=False, record_validators=validators, **kwargs)
-    # hivemind bounds each stage (the identity check, p2pd, the pings, the first lookup); this bounds them all
-    budget = 15 + startup_timeout + 2 * cfg.bootstrap_timeout + 10
-    limit = time.monotonic() + budget
-    ready = False
-    try:
-        while True:
-            try:
-                dht.wait_until_ready(timeout=0.25)
-                ready = True
-                return dht
-            except TimeoutError:
-                if not dht.is_alive():  # it ended without a word (or with a TimeoutError of its own)
-                    raise _StartFailed("the DHT process ended before it was ready") from None
-            except Exception as e:  # p2pd and the DHT raise assorted types for the same failure
-                raise _StartFailed(_last_line(e)) from None
-            if stop_event.is_set():
-                raise KeyboardInterrupt
-            if time.monotonic() > limit:
-                raise _StartFailed(f"the DHT was not ready after {budget:.0f}s")
-    finally:
-        if not ready:
-            _abandon(dht)
-
-
-def _abandon(dht: hivemind.DHT) -> None:
-    """Stop a DHT that did not start; a node that is almost up is let finish, so that it stops its p2pd."""
-    if dht.is_alive():
-        try:
-            dht.wait_until_ready(timeout=4.0)
-        except Exception:  # failed or still starting: shutdown copes with both
-            pass
-        dht.shutdown()
-
-
-def _last_line(e: BaseException) -> str:
-    text = re.sub(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", str(e)).strip()  # p2pd's log timestamps
-    return text.splitlines()[-1] if text else type(e).__name__
-
-
-def _ping_failed(msg: str) -> bool:
-    return "responded to a ping" in msg
-
-
-def _dht_reason(msg: str) -> str:
-    """Why the start failed through a peer that answers libp2p."""
-    if _ping_failed(msg):
-        return "it speaks libp2p but not the hivemind DHT (not a p2pdiloco peer or hivemind DHT node?)"
-    return msg
-
-
-def _diagnose(peers: list[InitialPeer], msg: str) -> dict[str, Optional[str]]:
-    """After a failed start, dial each peer from a throwaway p2pd to learn why (None: it answers).
-
-    hivemind reports only "failed to connect to bootstrap peers"; the dial says which and why."""
-    try:
-        reasons = asyncio.run(asyncio.wait_for(_dial_all(peers), DIAL_TIMEOUT + 20))
-    except Exception as e:  # the diagnosis is best effort: fall back to hivemind's words
-        logger.debug(f"could not diagnose the failed start: {e!r}")
-        return {p.addr: msg for p in peers}
-    return dict(zip([p.addr for p in peers], reasons))
-
-
-async def _dial_all(peers: list[InitialPeer]) -> list[Optional[str]]:
-    return list(await asyncio.gather(*(_dial(p) for p in peers)))
-
-
-async def _dial(peer: InitialPeer) -> Optional[str]:
-    """One fresh daemon per peer: no dial backoff or peerstore entries carried over from another dial."""
-    from hivemind.p2p import P2P, PeerID
-    from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
-
-    p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], dht_mode="client", auto_nat=False,
-                           nat_port_map=False, startup_timeout=15)
-    try:
-        target = Multiaddr(peer.addr).decapsulate(Multiaddr(f"/p2p/{peer.peer_id}"))
-        # hivemind has no public connect; its own identity check dials the same way
-        await asyncio.wait_for(p2p._client.connect(PeerID.from_base58(peer.peer_id), [target]), DIAL_TIMEOUT)
-        return None
-    except ControlFailure as e:
-        return libp2p_reason(str(e))
-    except asyncio.TimeoutError:
-        return f"no libp2p answer within {DIAL_TIMEOUT:.0f}s"
-    finally:
-        await p2p.shutdown()
-
-
-def libp2p_reason(msg: str) -> str:
-    """A short cause from p2pd's dial error ('failed to dial ...:\n  * [ADDR] REASON')."""
-    if "peer id mismatch" in msg:
-        found = re.search(r"remote key matches (\w+)", msg)
-        there = f": the peer at that address is {found.group(1)}" if found else ""
-        return f"{PEER_ID_MISMATCH}{there}"
-    if "failed to negotiate security protocol" in msg and ("deadline exceeded" in msg or "timeout" in msg):
-        return "the libp2p handshake timed out: something listens there but does not speak libp2p"
-    for words, reason in (("connection refused", "connection refused"), ("no route to host", "no route to host"),
-                          ("network is unreachable", "network unreachable"), ("i/o timeout", "timed out"),
-                          ("deadline exceeded", "timed out"), ("no such host", "name does not resolve")):
-        if words in msg:
-            return reason
-    bullets = [line.split("]", 1)[-1].strip() for line in msg.splitlines() if line.strip().startswith("* [")]
-    return (bullets[0] if bullets else _last_line(Exception(msg)))[:200]
+    return str(ids[-1]) if ids else None
 
 
 def learned_peers(dht: hivemind.DHT, cfg, timeout: float = 5.0) -> list[str]:
@@ -386,10 +112,7 @@ def _check_other_run(dht: hivemind.DHT, cfg) -> None:
         return
     records = {str(k): v.value for k, v in found.value.items() if isinstance(v.value, dict)}
     for addr in cfg.initial_peers:
-        try:
-            record = records.get(parse_initial_peer(addr).peer_id)
-        except SwarmError:
-            continue
+        record = records.get(peer_id_of(addr) or "")
         other = record.get("run_id") if record else None
         if isinstance(other, str) and other != cfg.run_id:
             raise SwarmError(f"initial peer {addr} is training run {other!r}, not {cfg.run_id!r}: use --run-id "

@@ -118,7 +118,6 @@ def nat(workdir: Path, *, duration: float, variant: str = "auto", data: str = ""
 
 def slow(workdir: Path, *, duration: float, rate_mbit: float = 20.0, delay_ms: float = 50.0, data: str = "") -> dict:
     """100 ms RTT and 20 Mbit/s between every pair: rounds, a join, a SIGKILLed peer."""
-    names = ["a", "b", "c"]
     base = _common("net-slow", duration, data)
     with Namespaces(4, rate_mbit=rate_mbit, delay_ms=delay_ms, tag="slow") as net, \
             LocalSwarm(workdir, config=PRESET, extra_args=base) as swarm:

@@ -20,6 +20,7 @@ import hivemind
 import pytest
 from hivemind.p2p import P2P, PeerID
 
+from p2pdiloco import bootstrap
 from p2pdiloco import swarm as swarm_module
 from p2pdiloco.config import Config, ConfigError
 from p2pdiloco.localswarm import LocalSwarm, kill_group
@@ -119,7 +120,7 @@ def test_stop_event_ends_the_retries():
     t0 = time.monotonic()
     try:
         with pytest.raises(KeyboardInterrupt):
-            swarm_module.start_dht(cfg, stop_event=stop_event)
+            bootstrap.start_dht(cfg, stop_event=stop_event)
     finally:
         timer.cancel()
     assert time.monotonic() - t0 < 10
