@@ -26,7 +26,7 @@ a home router without port forwarding. Public hosts have only the connected /24 
 created in, or routed to, the root namespace.
 
 The hub joins its ports with bridge `br0`; with delay_ms > 0 a userspace delay line does it instead
-(a child process with an AF_PACKET socket per port, `_delay_line`), holding every frame delay_ms, so
+(a child process with an AF_PACKET socket per port, scripts/delayline.py), holding every frame delay_ms, so
 the RTT between any two hosts is 2 * delay_ms. With rate_mbit, a tbf qdisc limits both directions of
 every hub link (egress of eth0 or wan = upload, egress of v<i> = download).
 
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import heapq
 import ipaddress
 import itertools
 import json
@@ -53,7 +52,6 @@ import re
 import select
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -375,8 +373,8 @@ class Namespaces:
 
     def _start_delay_line(self) -> None:
         here = os.path.dirname(os.path.abspath(__file__))
-        code = (f"import sys; sys.path.insert(0, {here!r}); from netns import _delay_line; "
-                "_delay_line(float(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])")
+        code = (f"import sys; sys.path.insert(0, {here!r}); from delayline import delay_line; "
+                "delay_line(float(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])")
         # stdin is a pipe we never write: EOF tells the delay line that we are gone; its own session,
         # so a Ctrl-C meant for us does not take the network down under our cleanup
         self._delay_line = subprocess.Popen(
@@ -488,75 +486,6 @@ def _up(ns: str, dev: str, cidr: str) -> None:
     _run(["ip", "-n", ns, "link", "set", dev, "addrgenmode", "none"])
     _run(["ip", "-n", ns, "addr", "add", cidr, "dev", dev])
     _run(["ip", "-n", ns, "link", "set", dev, "up"])
-
-
-# ---- the delay line: the hub of a delayed network, a child process in the hub netns -------------
-
-_SOL_PACKET, _PACKET_VNET_HDR, _PACKET_IGNORE_OUTGOING = 263, 15, 23
-_SO_SNDBUFFORCE, _SO_RCVBUFFORCE = 32, 33
-_ETH_P_ALL = 0x0003
-_VNET_HDR = 10  # struct virtio_net_hdr in front of every frame
-_FRAME_MAX = 1 << 17  # a 64 KB GSO frame plus headers
-_BATCH = 64  # frames read from one port before looking at the others and the clock
-
-
-def _delay_line(delay_s: float, parent: int, ports: list[str]) -> None:
-    """A learning L2 switch between `ports` that sends every frame delay_s after it arrived.
-
-    Frames keep their virtio-net header (PACKET_VNET_HDR), so checksum-offloaded packets pass intact.
-    Sends go through each port's qdisc (the tbf download limit); a full queue drops the frame, as a
-    router would. Ends when `parent` does (EOF on stdin, or reparenting)."""
-    socks = []
-    for name in ports:
-        s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0)  # protocol 0: receives nothing until bound
-        s.setsockopt(_SOL_PACKET, _PACKET_VNET_HDR, 1)
-        s.setsockopt(_SOL_PACKET, _PACKET_IGNORE_OUTGOING, 1)  # not our own sends back
-        s.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, 8 << 20)
-        s.setsockopt(socket.SOL_SOCKET, _SO_SNDBUFFORCE, 8 << 20)
-        s.bind((name, _ETH_P_ALL))
-        s.setblocking(False)
-        socks.append(s)
-    port_of = {s.fileno(): k for k, s in enumerate(socks)}
-    poller = select.epoll()
-    for fd in port_of:
-        poller.register(fd, select.EPOLLIN)
-    poller.register(sys.stdin.fileno(), select.EPOLLIN)
-    where: dict[bytes, int] = {}  # learned source MAC -> port
-    queue: list[tuple[float, int, int, bytes]] = []  # heap of (due, seq, out port, frame)
-    seq = itertools.count()
-    checked = time.monotonic()
-    print("ready", flush=True)
-    while True:
-        wait = min(max(queue[0][0] - time.monotonic(), 0.0), 0.5) if queue else 0.5
-        for fd, _ in poller.poll(wait):
-            k = port_of.get(fd)
-            if k is None:
-                if not os.read(fd, 4096):
-                    return  # the parent closed its end: it is gone
-                continue
-            for _ in range(_BATCH):
-                try:
-                    frame = socks[k].recv(_FRAME_MAX)
-                except BlockingIOError:
-                    break
-                due = time.monotonic() + delay_s
-                dst, src = frame[_VNET_HDR:_VNET_HDR + 6], frame[_VNET_HDR + 6:_VNET_HDR + 12]
-                where[src] = k
-                out = where.get(dst) if not dst[0] & 1 else None  # broadcast/multicast/unknown: flood
-                for o in (out,) if out is not None else range(len(socks)):
-                    if o != k:
-                        heapq.heappush(queue, (due, next(seq), o, frame))
-        now = time.monotonic()
-        while queue and queue[0][0] <= now:
-            _, _, o, frame = heapq.heappop(queue)
-            try:
-                socks[o].send(frame)
-            except OSError:  # ENOBUFS: the port's tbf queue is full; EAGAIN: our send buffer is
-                pass
-        if now - checked > 0.5:
-            if os.getppid() != parent:
-                return  # reparented: the parent died while something it forked holds the pipe
-            checked = now
 
 
 # ---- real TCP between hosts: transfer, connect times, reachability (selftests and tests) --------
