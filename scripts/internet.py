@@ -6,6 +6,7 @@ summary per scenario and writes them to OUT/network.json; docs/network.md holds 
     python scripts/internet.py nat  --duration 300 --out runs/net       # 2 public + 2 NATed peers
     python scripts/internet.py nat  --variant relay --duration 300      # the NATed peers forced to reduce (relays)
     python scripts/internet.py slow --duration 180 --out runs/net       # 100 ms RTT, 20 Mbit/s, join and SIGKILL
+    python scripts/internet.py slow --rate-mbit 10 --out runs/net       # the volunteer preset's sizing link
     python scripts/internet.py nat slow --quick                         # the suite's size (numbers mean little)
 
 nat: a and b are public; c and d sit each behind its own NAT router (masquerade, unsolicited
@@ -172,6 +173,8 @@ def main(argv=None) -> int:
     parser.add_argument("--duration", type=float, default=0, help="seconds per scenario (default 300 nat, 180 slow)")
     parser.add_argument("--quick", action="store_true", help="the suite's size: 75 s each")
     parser.add_argument("--variant", choices=["auto", "relay"], default="auto", help="nat: see the module doc")
+    parser.add_argument("--rate-mbit", type=float, default=20.0, help="slow: every link's rate (default 20)")
+    parser.add_argument("--delay-ms", type=float, default=50.0, help="slow: one-way delay in the hub (default 50)")
     parser.add_argument("--out", default="", help="output directory (default: a new temporary one)")
     parser.add_argument("--data", default="", help="corpus file (default: the bundled Shakespeare corpus)")
     args = parser.parse_args(argv)
@@ -185,12 +188,13 @@ def main(argv=None) -> int:
     results = json.loads(path.read_text()) if path.exists() else {}
     for name in dict.fromkeys(args.scenario):
         duration = args.duration or (75 if args.quick else {"nat": 300, "slow": 180}[name])
-        key = f"{name}-{args.variant}" if name == "nat" else name
+        key = f"{name}-{args.variant}" if name == "nat" else f"slow-{args.rate_mbit:g}mbit-{2 * args.delay_ms:g}ms"
         workdir = out / key
         shutil.rmtree(workdir, ignore_errors=True)
         print(f"internet: {key} for {duration:.0f}s ...", flush=True)
         fn = nat if name == "nat" else slow
-        kwargs = {"variant": args.variant} if name == "nat" else {}
+        kwargs = ({"variant": args.variant} if name == "nat"
+                  else {"rate_mbit": args.rate_mbit, "delay_ms": args.delay_ms})
         results[key] = fn(workdir, duration=duration, data=args.data, **kwargs)
         path.write_text(json.dumps(results, indent=1))
         print(json.dumps(results[key], indent=1), flush=True)

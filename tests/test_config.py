@@ -41,7 +41,7 @@ def test_volunteer_preset_is_for_the_public_internet(monkeypatch, tmp_path):
     vol = Config.from_sources(ROOT / "peers" / "volunteer.toml")
     tiny = Config.from_sources(ROOT / "peers" / "tiny-cpu.toml")
     assert vol.host_maddrs == ["/ip4/0.0.0.0/tcp/31337"]  # all interfaces, a port others can dial
-    assert vol.use_relay and vol.use_auto_relay and not vol.client_mode
+    assert vol.use_relay and vol.use_auto_relay and not vol.client_mode and vol.reachability == "auto"
     assert vol.identity_path == str(tmp_path / ".p2pdiloco" / "identity.key")  # ~ expanded
     assert vol.checkpoint_dir.startswith(str(tmp_path))
     for key in ("matchmaking_time", "request_timeout", "allreduce_timeout", "next_chunk_timeout", "verdict_timeout",
