@@ -7,21 +7,15 @@ cd "$(dirname "$0")/.."
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test]"
-# tests/test_monitor.py renders the monitor's page in headless Chromium (Debian's package)
-if ! command -v chromium >/dev/null 2>&1; then
+# Debian packages some tests need: install_deb COMMAND PACKAGE WHO_NEEDS_IT
+install_deb() {
+    command -v "$1" >/dev/null 2>&1 && return 0
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
-            || echo "note: installing chromium failed; tests/test_monitor.py needs it"
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$2" >/dev/null; } \
+            || echo "note: installing $2 failed; $3 needs it"
     else
-        echo "note: tests/test_monitor.py needs chromium: apt-get install chromium (as root, Debian)"
+        echo "note: $3 needs $1: apt-get install $2 (as root, Debian)"
     fi
-fi
-# scripts/netns.py's home NATs (Namespaces(nat=...), tests/test_netns.py) need nft (Debian's nftables)
-if ! command -v nft >/dev/null 2>&1; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables >/dev/null; } \
-            || echo "note: installing nftables failed; the NAT test of tests/test_netns.py needs it"
-    else
-        echo "note: tests/test_netns.py's NAT test needs nft: apt-get install nftables (as root, Debian)"
-    fi
-fi
+}
+install_deb chromium chromium "tests/test_monitor.py (the monitor's page in headless Chromium)"
+install_deb nft nftables "scripts/netns.py's home NATs (tests/test_netns.py, test_internet.py, test_relay_bench.py)"
