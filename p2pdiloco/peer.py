@@ -170,7 +170,8 @@ class Peer(SwarmRounds):
         if reach.client and cfg.reachability == "auto" and not cfg.client_mode:
             # the initial peers may be gone by now: bootstrap through every live peer we know of
             learned = swarm.learned_peers(self.dht, cfg)
-            self.dht.shutdown()
+            old, self.dht = self.dht, None  # close() must not stop it twice if the restart fails
+            old.shutdown()
             self.dht = bootstrap.start_dht(dataclasses.replace(cfg, client_mode=True,
                                                            initial_peers=[*cfg.initial_peers, *learned]),
                                        stop_event=self.stop_event)

@@ -82,6 +82,12 @@ def _wait_all_done(swarm: LocalSwarm, names: list, timeout: float, what: str) ->
     return {p: swarm.peers[p].proc.returncode for p in names}
 
 
+def _reach_line(stderr: str) -> str:
+    """The first line of what the peer told its user about its reachability (reachability.explain)."""
+    starts = ("p2pdiloco: reachab", "p2pdiloco: NOT reachable", "p2pdiloco: client mode", "p2pdiloco: listening")
+    return next((line for line in stderr.splitlines() if line.startswith(starts)), "")
+
+
 def nat(workdir: Path, *, duration: float, variant: str = "auto", data: str = "") -> dict:
     """Two public peers (a, b) and two NATed ones (c: reachability auto, d: --client-mode)."""
     names = ["a", "b", "c", "d"]
@@ -111,7 +117,8 @@ def nat(workdir: Path, *, duration: float, variant: str = "auto", data: str = ""
     result = {"scenario": "nat", "variant": variant, "duration_s": duration, "exit_codes": codes, "peers": per,
               "applied_vs_best_public": {p: per[p]["applied"] / best for p in names},
               "share_rounds_all_four": full / best,
-              "tracebacks": {p: ("Traceback" in s) for p, s in stderr.items()}}
+              "tracebacks": {p: ("Traceback" in s) for p, s in stderr.items()},
+              "said": {p: _reach_line(s) for p, s in stderr.items()}}
     result["targets_met"] = (all(v >= 0.8 for v in result["applied_vs_best_public"].values())
                              and result["share_rounds_all_four"] >= 0.5)
     return result

@@ -37,6 +37,11 @@ def test_nated_peers_average_with_public_ones(tmp_path, corpus):
     # c found out by itself that nobody can dial it; d was told; b was dialed back by a
     assert peers["c"]["reachability"] == "client" and peers["d"]["reachability"] == "client", r
     assert peers["b"]["reachability"] == "direct", r
+    said = r["said"]  # and each told its user, in the words of the startup paragraph
+    assert said["c"].startswith("p2pdiloco: NOT reachable: ") and "tried to dial us" in said["c"], said
+    assert said["d"].startswith("p2pdiloco: client mode"), said
+    assert said["b"].startswith("p2pdiloco: reachable: ") and "dialed us back" in said["b"], said
+    assert said["a"].startswith("p2pdiloco: reachability unknown"), said
     # the suite's size is short and shares 2 cores with 4 peers: looser than the 5-minute targets
     assert all(v >= 0.5 for v in r["applied_vs_best_public"].values()), r
     assert r["share_rounds_all_four"] >= 0.25, r
