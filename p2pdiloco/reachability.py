@@ -9,7 +9,7 @@ too, so that nobody's lookups wait on a peer they cannot reach. Two such peers n
 each other, which is what broke groups holding two NATed peers ("reducer dropped 1 sender").
 
     >>> serve(dht)                                   # every reachable peer answers dial-back requests
-    >>> reach = check(dht, cfg)                      # Reachability(mode="direct" | "client" | ...)
+    >>> reach = check(dht, cfg, maddrs, helpers_for(dht, cfg))  # Reachability(mode="direct" | "client" | ...)
     >>> print(reach.explain(cfg))                    # one short paragraph for the volunteer
 
 Modes: `direct` (dialed back), `client` (nobody could dial us, or --client-mode), `unknown` (no
@@ -69,7 +69,7 @@ class Reachability:
             return ("p2pdiloco: client mode: we send our parts to reachable peers and reduce none; every group "
                     "needs at least one reachable peer.")
         # the port must stay the same across restarts to be forwarded: ours if fixed, else the volunteer preset's
-        port = next((p for p in map(_port, ([m] for m in cfg.host_maddrs)) if p and p != "0"), "31337")
+        port = next((p for p in (_port([m]) for m in cfg.host_maddrs) if p and p != "0"), "31337")
         why = "; ".join(f"{a}: {e}" for a, e in list(self.errors.items())[:2]) or "no answer"
         return (f"p2pdiloco: NOT reachable: {self.answers} peer(s) tried to dial us and none could ({why}).\n"
                 "  Averaging as a client: we send our parts to reachable peers and reduce none (only outbound "
