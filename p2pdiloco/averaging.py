@@ -59,12 +59,25 @@ def _lonely_round(record: logging.LogRecord) -> bool:
     return "could not find a group" not in record.getMessage()
 
 
+def _one_line_download_failure(record: logging.LogRecord) -> bool:
+    """A state source that cannot be dialed or leaves mid-download is expected (the joiner tries the
+    next one): one warning line instead of hivemind's ERROR with a traceback."""
+    message = record.getMessage()
+    if message.startswith("Failed to download state from"):
+        record.msg, record.args = " ".join(message.split()), ()
+        record.exc_info = record.exc_text = None
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+    return True
+
+
 def quiet_lonely_rounds() -> None:
-    """A round with nobody else in the window is normal here (we report it as a round_failed
-    event); keep hivemind from logging it as an error with a traceback."""
+    """Expected events that hivemind logs as errors with tracebacks: a round with nobody else in the
+    window (normal here; we report it as a round_failed event) is dropped, a failed download from one
+    state source becomes one warning line. Installed before the averager process forks."""
     averager_logger = logging.getLogger("hivemind.averaging.averager")
-    if _lonely_round not in averager_logger.filters:
-        averager_logger.addFilter(_lonely_round)
+    for rule in (_lonely_round, _one_line_download_failure):
+        if rule not in averager_logger.filters:
+            averager_logger.addFilter(rule)
 
 
 @dataclass

@@ -105,7 +105,7 @@ def nat(workdir: Path, *, duration: float, variant: str = "auto", data: str = ""
                                "--log-dir", str(workdir / name), "--maddrs-file", str(workdir / f"{name}.maddrs"),
                                *base, *per_peer[name], "--initial-peers", public[0]])
         codes = _wait_all_done(swarm, names, duration + 120, "every nat peer done")
-        stderr = {p: swarm.stderr(p, 3000) for p in names}
+        stderr = {p: swarm.stderr(p, tail=1 << 30) for p in names}
         swarm.stop_all()
     records = {p: read_metrics(workdir / p / "metrics.jsonl") for p in names}
     per = {p: {**round_stats(_events(r, "outer"), _events(r, "round_failed")),
@@ -155,7 +155,7 @@ def slow(workdir: Path, *, duration: float, rate_mbit: float = 20.0, delay_ms: f
         swarm.signal("c", signal.SIGKILL)
         applied_before = {p: len(swarm.events(p, "outer")) for p in ("a", "b", "d")}
         codes = _wait_all_done(swarm, ["a", "b", "d"], duration + 120, "every slow peer done")
-        stderr = {p: swarm.stderr(p, 3000) for p in ("a", "b", "d")}
+        stderr = {p: swarm.stderr(p, tail=1 << 30) for p in ("a", "b", "d")}
         swarm.stop_all()
     records = {p: read_metrics(workdir / p / "metrics.jsonl") for p in ["a", "b", "c", "d"]}
     join = next(iter(_events(records["d"], "join")), {})

@@ -1,5 +1,6 @@
 """reachability.py's pure parts: which addresses a helper dials back, its TCP probe, the verdict
-from the helpers' answers and the paragraph a volunteer reads. The check between real peers
+from the helpers' answers and the paragraph a volunteer reads; and the one warning line a joiner
+gets for a state source it cannot dial. The check between real peers
 behind real NAT routers is in tests/test_internet.py."""
 
 from __future__ import annotations
@@ -70,3 +71,31 @@ def test_the_paragraph_names_a_port_to_forward():
     assert "client mode" in reachability.Reachability(mode="client").explain(cfg, forced=True)
     direct = reachability.Reachability(mode="direct", reached=["/ip4/203.0.113.9/tcp/31337"], answers=3)
     assert "reachable: 3 peer(s) dialed us back at /ip4/203.0.113.9/tcp/31337" in direct.explain(cfg)
+
+
+def test_a_failed_state_source_is_one_warning_line():
+    """hivemind logs a source it cannot dial as ERROR with a traceback (seen at 10 Mbit/s: 'dial
+    backoff'); the joiner goes on to the next source, so the user gets one warning line."""
+    import io
+    import logging
+
+    from p2pdiloco.averaging import quiet_lonely_rounds
+
+    quiet_lonely_rounds()
+    log = logging.getLogger("hivemind.averaging.averager")
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logging.Formatter("[%(levelname)s] %(message)s"))
+    log.addHandler(handler)
+    try:
+        try:
+            raise ConnectionError("failed to dial:\n  * [/ip4/10.213.0.3/tcp/1] dial backoff")
+        except ConnectionError as e:
+            log.exception(f"Failed to download state from 12D3KooWPeer - {e!r}")
+        log.error("some other error")
+    finally:
+        log.removeHandler(handler)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("[WARNING] Failed to download state from 12D3KooWPeer - ConnectionError(")
+    assert "dial backoff" in lines[0] and "Traceback" not in out.getvalue()
+    assert lines[1:] == ["[ERROR] some other error"]
