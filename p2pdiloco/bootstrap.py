@@ -100,8 +100,14 @@ def probe(peer: InitialPeer, timeout: float = PROBE_TIMEOUT) -> Optional[str]:
     """None if the peer's TCP port accepts a connection (or it has none to probe), else why not."""
     if peer.host is None:
         return None
+    return connect_error(peer.host, peer.port, timeout=timeout, family=peer.family)
+
+
+def connect_error(host: str, port: int, *, timeout: float, family: int = socket.AF_UNSPEC) -> Optional[str]:
+    """None if a fresh TCP connection to host:port opens, else why not, in the words our errors use
+    (also the dial-back check's, reachability.py)."""
     try:
-        infos = socket.getaddrinfo(peer.host, peer.port, peer.family, socket.SOCK_STREAM)
+        infos = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)
     except socket.gaierror:
         return "name does not resolve"
     error: Optional[OSError] = None

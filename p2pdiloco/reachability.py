@@ -29,7 +29,7 @@ from typing import Optional
 from hivemind.p2p import PeerID
 from hivemind.proto.runtime_pb2 import ExpertUID  # a message with one string field: our JSON travels in it
 
-from p2pdiloco import swarm
+from p2pdiloco import bootstrap, swarm
 
 logger = logging.getLogger(__name__)
 
@@ -112,17 +112,8 @@ def dialable_targets(maddrs) -> list[tuple[str, str, int]]:
 
 
 async def _tcp_probe(host: str, port: int) -> str:
-    """'' if a fresh TCP connection to host:port opens, else why not."""
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), DIAL_TIMEOUT)
-    except asyncio.TimeoutError:
-        return f"timed out after {DIAL_TIMEOUT:.0f}s"
-    except ConnectionRefusedError:
-        return "connection refused"
-    except OSError as e:
-        return e.strerror or type(e).__name__
-    writer.close()
-    return ""
+    """'' if a fresh TCP connection to host:port opens, else why not (bootstrap's wording)."""
+    return await asyncio.to_thread(bootstrap.connect_error, host, port, timeout=DIAL_TIMEOUT) or ""
 
 
 async def _handle(request: ExpertUID, context) -> ExpertUID:
