@@ -12,7 +12,7 @@ Only the member that lost a part knows. So each member:
 
 A member that died never publishes its verdict, so everyone discards the round.
 
-    >>> averager = DilocoAverager(buffer, dht, prefix=cfg.dht_prefix, cfg=cfg, state_fn=peer.shared_state)
+    >>> averager = DilocoAverager(buffer, dht, cfg=cfg, shared=peer.shared)
     >>> rounds = RoundRunner(averager, dht, cfg)
     >>> future = rounds.start(pseudo_grad, weight=tokens, gather={"outer_step": 3})
     >>> outcome = future.result()      # RoundOutcome: .ok, .average, .members, .reason
@@ -48,6 +48,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from p2pdiloco import diloco
 from p2pdiloco.compression import BlockwiseQuantization, bytes_per_value, make_codec
 from p2pdiloco.secret import peer_token
+from p2pdiloco.state import SharedState, StateSharing
 
 logger = logging.getLogger(__name__)
 
@@ -391,18 +392,23 @@ class CountingAllReduceRunner(AllReduceRunner):
                            merged=bool(self.segments))
 
 
-class DilocoAverager(hivemind.DecentralizedAverager):
-    """A DecentralizedAverager whose step() also returns a RoundReport, and whose shared state
-    (for joiners) comes from `state_fn` (called in a thread of the trainer's process).
+class DilocoAverager(StateSharing, hivemind.DecentralizedAverager):
+    """A DecentralizedAverager whose step() also returns a RoundReport, and that serves chunks of
+    `shared` (the trainer's SharedState) to joiners and fetches the swarm's state into `staging`
+    (state.StateSharing). hivemind's own one-source download (rpc_download_state) serves nothing.
 
     merge_size = N (> 0): the one averaged buffer holds [pseudo-gradient | anchor | momentum], N
     values each. A round averages the first segment only, unless the members' announced anchor
     digests differ: then it is a merge round that averages all three in fp32 (see
     ContributionPolicy and diloco.merge_weights), and nobody needs to download a state."""
 
-    def __init__(self, averaged_tensors, dht, *, cfg, state_fn: Callable[[], tuple], slots: int = 1,
+    def __init__(self, averaged_tensors, dht, *, cfg, shared: Optional[SharedState] = None, slots: int = 1,
                  merge_size: int = 0, client_mode: Optional[bool] = None, **kwargs):
-        self._state_fn = state_fn
+        self._shared, self._cfg = shared, cfg
+        # downloads land in the round buffer when it holds 2N values (idle between rounds), else in their own
+        numel = shared.numel if shared is not None else 0
+        size = sum(t.numel() for t in averaged_tensors)
+        self._staging_buf = torch.zeros(2 * numel).share_memory_() if numel and size < 2 * numel else None
         self._slots = slots  # > 1: each member's pseudo-gradient keeps its own slot (outer_apply = per_contribution)
         self.merge_size = merge_size
         assert not merge_size or sum(t.numel() for t in averaged_tensors) == 3 * merge_size
@@ -436,9 +442,12 @@ class DilocoAverager(hivemind.DecentralizedAverager):
         self._matchmaking.target_group_size = size
         self._matchmaking.potential_leaders.target_group_size = size
 
-    def get_current_state(self):
-        metadata, tensors = self._state_fn()
-        return metadata, tensors, None
+    @property
+    def staging(self) -> torch.Tensor:
+        """2N values that a state download writes into: the tail of the round buffer, or our own."""
+        if self._staging_buf is not None:
+            return self._staging_buf
+        return self._averaged_tensors[0][-2 * self._shared.numel:]
 
     # --- with a run secret: only peers that know it may join our groups or download our state ---
 
@@ -455,18 +464,25 @@ class DilocoAverager(hivemind.DecentralizedAverager):
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        if self._secret:
-            try:  # bounded: hivemind's DHT.get never returns on a record it cannot decode
-                found = await asyncio.wait_for(
-                    self.dht.get(f"{self.prefix}_members", latest=True, return_future=True), timeout=10)
-            except asyncio.TimeoutError:
-                found = None
-            members = found.value if found is not None and isinstance(found.value, dict) else {}
-            if str(context.remote_id) not in {str(k) for k in members}:
-                logger.warning(f"refused a state download by {context.remote_id}: not a member of this run")
-                return
-        async for message in super().rpc_download_state(request, context):
-            yield message
+        """hivemind's one-source download, which cloned the whole state per request: replaced by
+        rpc_state_chunk (state.StateSharing). Serves nothing."""
+        return
+        yield
+
+    async def _is_run_member(self, context: P2PContext, what: str) -> bool:
+        """With a run secret: only peers in the run's (MACed) member record may download our state."""
+        if not self._secret:
+            return True
+        try:  # bounded: hivemind's DHT.get never returns on a record it cannot decode
+            found = await asyncio.wait_for(
+                self.dht.get(f"{self.prefix}_members", latest=True, return_future=True), timeout=10)
+        except asyncio.TimeoutError:
+            found = None
+        members = found.value if found is not None and isinstance(found.value, dict) else {}
+        if str(context.remote_id) not in {str(k) for k in members}:
+            logger.warning(f"refused a {what} by {context.remote_id}: not a member of this run")
+            return False
+        return True
 
     def _knows_secret(self, gather_bytes: bytes, peer_id: str) -> bool:
         try:
@@ -553,19 +569,24 @@ class RoundRunner:
         gather must then carry this member's anchor `digest` and `outer_step`).
         on_allreduce is called (from that thread) once the group is formed and the all-reduce begins."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        merging = (anchor, momentum) if self.averager.merge_size else None
+        # the thread drops these once they are in the averager's buffer: the caller's pseudo-gradient
+        # is not kept alive for the whole round (4 bytes per parameter)
+        payload = [pseudo_grad, (anchor, momentum) if self.averager.merge_size else None]
 
         def target() -> None:
             try:
-                future.set_result(self._run(pseudo_grad, weight, gather, on_allreduce, merging))
+                future.set_result(self._run(payload, weight, gather, on_allreduce))
             except BaseException as e:
                 future.set_exception(e)
 
         threading.Thread(target=target, name="averaging-round", daemon=True).start()
         return future
 
-    def _run(self, pseudo_grad: torch.Tensor, weight: float, gather: dict, on_allreduce, merging) -> RoundOutcome:
+    def _run(self, payload: list, weight: float, gather: dict, on_allreduce) -> RoundOutcome:
+        """The round. The outcome's average (and a merge round's anchor and momentum) are views of
+        the averager's buffer, not copies: valid until the next round starts."""
         t0 = time.monotonic()
+        pseudo_grad, merging = payload
         n = pseudo_grad.numel()
         gather = {**gather, "norm": float(pseudo_grad.norm()), "weight": weight}
         with self.averager.get_tensors() as (buffer,):
@@ -576,6 +597,8 @@ class RoundRunner:
             elif buffer.numel() != n:  # per_contribution: slot 0, the averager moves it
                 buffer.zero_()
             buffer[:n].copy_(pseudo_grad)
+        payload.clear()
+        del pseudo_grad
         if self.cfg.run_secret:
             gather["token"] = peer_token(self.cfg.run_secret, self.peer_id)
         try:
@@ -609,9 +632,9 @@ class RoundRunner:
             outcome.reason = f"only {policy.valid} usable contribution(s) in a group of {len(members)}"
         else:
             with self.averager.get_tensors() as (buffer,):
-                average = buffer[:n].clone() if merging is not None else buffer.clone()
+                average = buffer[:n] if merging is not None else buffer
                 if report.merged:
-                    outcome.anchor, outcome.momentum = buffer[n:2 * n].clone(), buffer[2 * n:].clone()
+                    outcome.anchor, outcome.momentum = buffer[n:2 * n], buffer[2 * n:]
             finite = all(bool(torch.isfinite(t).all()) for t in (average, outcome.anchor, outcome.momentum)
                          if t is not None)
             # hivemind adds the group's delta to our own values: if the reducers excluded ours, our

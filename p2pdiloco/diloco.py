@@ -33,7 +33,8 @@ def outer_step_(anchor: torch.Tensor, momentum: torch.Tensor, avg_pseudo_grad: t
                 outer_lr: float, outer_momentum: float) -> None:
     """One Nesterov SGD step on the anchor, in place (same as torch.optim.SGD(nesterov=True))."""
     momentum.mul_(outer_momentum).add_(avg_pseudo_grad)
-    anchor.sub_(avg_pseudo_grad + outer_momentum * momentum, alpha=outer_lr)
+    # anchor -= outer_lr * (avg_pseudo_grad + outer_momentum * momentum), without a temporary of the model's size
+    anchor.sub_(avg_pseudo_grad, alpha=outer_lr).sub_(momentum, alpha=outer_lr * outer_momentum)
 
 
 def group_share(swarm_views: list) -> float:
@@ -69,7 +70,9 @@ def preview_outer_step(anchor: torch.Tensor, momentum: torch.Tensor, pseudo_grad
     """Where `outer_step_` would move the anchor with this pseudo-gradient, without moving it: the
     eager update trains the round in flight from here, with its own pseudo-gradient standing in for
     the group's average until that arrives (Kale et al., arXiv 2502.12996)."""
-    return anchor - outer_lr * (pseudo_grad + outer_momentum * (outer_momentum * momentum + pseudo_grad))
+    # anchor - outer_lr * (pseudo_grad + outer_momentum * (outer_momentum * momentum + pseudo_grad)), one allocation
+    out = momentum * (-outer_lr * outer_momentum * outer_momentum)
+    return out.add_(pseudo_grad, alpha=-outer_lr * (1 + outer_momentum)).add_(anchor)
 
 
 def anchors_differ(digests: list, tolerance: float) -> bool:

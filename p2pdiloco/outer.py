@@ -32,7 +32,7 @@ import torch
 
 from p2pdiloco import diloco, state, swarm
 from p2pdiloco.averaging import RoundOutcome, contribution_weight
-from p2pdiloco.model import flat_params, load_flat_
+from p2pdiloco.model import flat_params, load_flat_, rebase_
 
 logger = logging.getLogger(__name__)
 
@@ -78,12 +78,15 @@ class SwarmRounds:
         """Adopt a downloaded anchor; keep_local keeps the progress made since the last snapshot
         (tokens_kept tokens) and contributes it at once, to land in the same matchmaking window
         as the group it fell behind: waiting inner_steps would miss it and diverge again."""
-        with self.state_lock:
-            old_anchor = self.anchor
-            self.anchor, self.momentum, self.outer_step = loaded.anchor, loaded.momentum, loaded.outer_step
-        local = flat_params(self.model)
-        base = self._snapshot if keep_local and self._snapshot is not None else old_anchor
-        load_flat_(self.model, diloco.merge_local(self.anchor, local, base) if keep_local else self.anchor)
+        old_anchor = self.anchor.clone() if keep_local and self._snapshot is None else None
+        with self._updating_state():  # loaded: views of the averager's idle round buffer, copied in place
+            self.anchor.copy_(loaded.anchor)
+            self.momentum.copy_(loaded.momentum)
+            self.outer_step = loaded.outer_step
+        if keep_local:
+            rebase_(self.model, self.anchor, self._snapshot if self._snapshot is not None else old_anchor)
+        else:
+            load_flat_(self.model, self.anchor)
         self._params_changed = True
         self.tokens_since_anchor = tokens_kept if keep_local else 0
         self.steps_since_round = self.cfg.inner_steps if keep_local else 0
@@ -220,9 +223,10 @@ class SwarmRounds:
                        for m in members)
         # every member derives the same share from the same announcements, so anchors stay equal
         share = diloco.group_share([m.get("swarm", 1) for m in members]) if self.cfg.group_share else 1.0
-        with self.state_lock:
+        with self._updating_state():
             if merged:  # everyone's anchor and momentum, merged in the round: nobody's progress is lost
-                self.anchor, self.momentum = outcome.anchor, outcome.momentum
+                self.anchor.copy_(outcome.anchor)  # in place: the outcome is a view of the round's buffer
+                self.momentum.copy_(outcome.momentum)
             if self.cfg.outer_apply == "per_contribution":  # the negative control: momentum per contribution
                 for contribution in outcome.average.view(-1, self.numel)[:len(members)]:
                     diloco.outer_step_(self.anchor, self.momentum, contribution * len(members),
@@ -231,8 +235,7 @@ class SwarmRounds:
                 diloco.outer_step_(self.anchor, self.momentum, outcome.average * share, outer_lr=self.cfg.outer_lr,
                                    outer_momentum=self.cfg.outer_momentum)
             self.outer_step = max(m["outer_step"] for m in members) + 1
-        local = flat_params(self.model)
-        load_flat_(self.model, diloco.merge_local(self.anchor, local, base))
+        rebase_(self.model, self.anchor, base)  # diloco.merge_local, in place
         self._params_changed = True
         self.tokens_since_anchor -= tokens
         if self._count_from_formation(pending):
@@ -285,7 +288,7 @@ class SwarmRounds:
         """Eager: move the progress made on the preview back onto the snapshot, when the round is not
         applied: nothing of our own work is lost, the next pseudo-gradient carries it."""
         if pending.base is not pending.snapshot:
-            load_flat_(self.model, diloco.merge_local(pending.snapshot, flat_params(self.model), pending.base))
+            rebase_(self.model, pending.snapshot, pending.base)
             self._params_changed = True
 
     def _resync(self, reason: str, *, keep_local: bool, min_outer_step: int = 0, tokens_kept: int = 0) -> None:

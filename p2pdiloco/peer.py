@@ -12,6 +12,7 @@ outer step (or discards the round) and goes on. How a round starts and lands is 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -74,54 +75,45 @@ class Peer(SwarmRounds):
         if not self.quiet:
             print(msg, file=sys.stderr, flush=True)
 
-    def shared_state(self):
-        """Called from hivemind's thread when a peer downloads our state."""
-        with self.state_lock:
-            return state.make_metadata(self.cfg, self.outer_step), [self.anchor.clone(), self.momentum.clone()]
+    @contextlib.contextmanager
+    def _updating_state(self):
+        """Every change of anchor, momentum or outer_step: joiners' downloads (served from the
+        averager process) discard what they copied meanwhile, and see the new version after."""
+        with self.state_lock, self.shared.writing():
+            yield
+            self.shared.publish(self.outer_step, self.digest_idx)
 
     def _setup(self) -> None:
+        """The network first, then the model: hivemind forks the DHT and averager processes, and a
+        child forked after the model, its optimizer and the anchor exist keeps a private copy of
+        every page the trainer writes afterwards (measured at 85M: 1.6 and 2.3 GB of RSS)."""
         cfg = self.cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         own_model = self.model is None
         if own_model:
             self.device = self.ranks.pick_device(cfg.device) if self.ranks else pick_device(cfg.device)
+            with torch.device("meta"):  # the size only: no memory
+                self.numel = num_params(build_model(cfg))
         else:
             self.device = next(self.model.parameters()).device
+            self.numel = num_params(self.model)
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         if self.ranks:
             self.ranks.init(self.device)
-        self.resume = None
         if cfg.checkpoint_dir and self.leader:
             checkpoint.ensure_writable(cfg.checkpoint_dir)
-            self.resume, path, problems = checkpoint.load_latest(cfg.checkpoint_dir, cfg)
-            for problem in problems:
-                self._progress(f"p2pdiloco: skipping a bad checkpoint: {problem}")
-            if self.resume is not None:
-                self._progress(f"p2pdiloco: resuming from {path} (outer step {self.resume['outer_step']})")
-        self.eval_set = None
-        if own_model:
-            self.data = load_data(cfg, progress=self._progress)
-            torch.manual_seed(cfg.seed)  # every peer starts from the same init
-            self.model = build_model(cfg).to(self.device)
-            self.eval_model = build_model(cfg).to(self.device).eval()
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.inner_lr, weight_decay=cfg.weight_decay,
-                                         betas=(0.9, 0.95))
-            self.eval_set = self.data.eval_batches(cfg.batch_size, cfg.eval_batches)
-        else:
-            self.eval_model = copy.deepcopy(self.model).eval() if self.eval_fn is not None else None
-        self.numel = num_params(self.model)
-        self.anchor = flat_params(self.model)
-        self.momentum = torch.zeros_like(self.anchor)
-        self.digest_idx = diloco.digest_indices(self.numel)
-        self.autocast = self.device.type == "cuda"
-        self.tokens = 0
-        if self.resume is not None:
-            self._restore(self.resume)
+        # anchor | momentum in shared memory, before the averager forks: it serves them to joiners
+        self.shared = state.SharedState(self.numel, shared=self.leader)
+        if self.leader:
+            self._start_network()
+        self._build_training(own_model)
         if not self.leader:  # the other ranks of a torchrun peer train; only rank 0 joins the swarm
             self.metrics = Metrics(None, f"rank{self.ranks.rank}", quiet=True)
-            return
 
+    def _start_network(self) -> None:
+        """DHT (and p2pd), reachability, metrics and the averager with its shared buffer."""
+        cfg = self.cfg
         sinks.check_installed(tensorboard_dir=cfg.tensorboard_dir, wandb_project=cfg.wandb_project)
         quiet_lonely_rounds()
         self.dht = bootstrap.start_dht(cfg, stop_event=self.stop_event)
@@ -142,12 +134,41 @@ class Peer(SwarmRounds):
         # merge_anchors: one buffer for [pseudo-gradient | anchor | momentum], the last two used by merge rounds
         self.merging = cfg.merge_anchors and slots == 1
         self.averager = DilocoAverager([torch.zeros(self.numel * (3 if self.merging else slots))], self.dht,
-                                       cfg=cfg, state_fn=self.shared_state, slots=slots,
+                                       cfg=cfg, shared=self.shared, slots=slots,
                                        merge_size=self.numel if self.merging else 0, client_mode=self.reach.client)
         self.rounds = RoundRunner(self.averager, self.dht, cfg)
         # again: hivemind's averager sets SIGINT to ignored when it starts
         if self.handle_signals:
             self._install_signal_handlers()
+
+    def _build_training(self, own_model: bool) -> None:
+        """Checkpoint, data, model, inner optimizer, anchor and outer momentum."""
+        cfg = self.cfg
+        self.resume = None
+        if cfg.checkpoint_dir and self.leader:
+            self.resume, path, problems = checkpoint.load_latest(cfg.checkpoint_dir, cfg)
+            for problem in problems:
+                self._progress(f"p2pdiloco: skipping a bad checkpoint: {problem}")
+            if self.resume is not None:
+                self._progress(f"p2pdiloco: resuming from {path} (outer step {self.resume['outer_step']})")
+        self.eval_set = self.eval_model = None
+        if own_model:
+            self.data = load_data(cfg, progress=self._progress)
+            torch.manual_seed(cfg.seed)  # every peer starts from the same init
+            self.model = build_model(cfg).to(self.device)
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.inner_lr, weight_decay=cfg.weight_decay,
+                                         betas=(0.9, 0.95))
+            self.eval_set = self.data.eval_batches(cfg.batch_size, cfg.eval_batches)
+        elif self.eval_fn is not None:  # a caller's eval_fn takes a module: it gets a copy holding the anchor
+            self.eval_model = copy.deepcopy(self.model).eval()
+        self.anchor, self.momentum = self.shared.anchor, self.shared.momentum  # changed in place only
+        self.digest_idx = diloco.digest_indices(self.numel)
+        self.autocast = self.device.type == "cuda"
+        self.tokens = 0
+        with self._updating_state():
+            self.anchor.copy_(flat_params(self.model))
+        if self.resume is not None:
+            self._restore(self.resume)
 
     def _check_reachability(self) -> reachability.Reachability:
         """Ask other peers to dial us back (reachability = auto); a peer nobody can dial averages as a
@@ -205,9 +226,10 @@ class Peer(SwarmRounds):
             t = payload.get(key)
             if not isinstance(t, torch.Tensor) or t.numel() != numel or not torch.isfinite(t).all():
                 raise checkpoint.CheckpointError(f"checkpoint field {key} is missing, of the wrong size or not finite")
-        self.anchor = payload["anchor"].float().clone()
-        self.momentum = payload["momentum"].float().clone()
-        self.outer_step = int(payload["outer_step"])
+        with self._updating_state():
+            self.anchor.copy_(payload["anchor"].reshape(-1))
+            self.momentum.copy_(payload["momentum"].reshape(-1))
+            self.outer_step = int(payload["outer_step"])
         self.inner_step = int(payload.get("inner_step", 0))
         load_flat_(self.model, payload["local"].float())
         try:
@@ -220,8 +242,8 @@ class Peer(SwarmRounds):
             return
         with self.state_lock:
             payload = {"format": 1, "run_id": self.cfg.run_id, "fingerprint": self.cfg.fingerprint(),
-                       "outer_step": self.outer_step, "anchor": self.anchor.clone(),
-                       "momentum": self.momentum.clone()}
+                       "outer_step": self.outer_step, "anchor": self.anchor,
+                       "momentum": self.momentum}  # no copies: only this thread changes them, and it is saving
         payload.update(inner_step=self.inner_step, local=flat_params(self.model),
                        inner_opt=self.opt.state_dict(), peer=self.peer_id)
         try:
@@ -246,9 +268,10 @@ class Peer(SwarmRounds):
                 loaded = None
             if loaded is not None:
                 self._install(loaded, keep_local=False)
-                self.metrics.log("join", loaded_outer_step=loaded.outer_step, download_s=loaded.download_s)
-                self._progress(f"p2pdiloco: loaded outer step {loaded.outer_step} "
-                               f"({self.numel * 8 / 1e6:.1f} MB in {loaded.download_s:.2f}s)")
+                self.metrics.log("join", loaded_outer_step=loaded.outer_step, download_s=loaded.download_s,
+                                 sources=len(loaded.sources))
+                self._progress(f"p2pdiloco: loaded outer step {loaded.outer_step} ({self.numel * 8 / 1e6:.1f} MB "
+                               f"in {loaded.download_s:.2f}s from {len(loaded.sources)} peer(s))")
             elif self.resume is None:
                 self._progress("p2pdiloco: no peer shares state; starting from the run's initial weights")
         if not self.reach.client:  # a client cannot be dialed: a joiner must never pick it as a source
@@ -456,17 +479,29 @@ class Peer(SwarmRounds):
     @torch.no_grad()
     def _evaluate(self) -> Optional[float]:
         """Loss of the anchor (the swarm's model) on the held-out batches, or the caller's eval_fn
-        on the anchor; None when there is nothing to evaluate with."""
-        if self.eval_model is None:
-            return None
-        with self.state_lock:
-            load_flat_(self.eval_model, self.anchor)
+        on the anchor; None when there is nothing to evaluate with. Our own model runs with its
+        parameters swapped for views of the anchor (torch.func.functional_call): no second model
+        in memory on the CPU; on a GPU the anchor's values are copied there for the evaluation."""
         if self.eval_fn is not None:
+            with self.state_lock:
+                load_flat_(self.eval_model, self.anchor)
             return float(self.eval_fn(self.eval_model))
+        if self.eval_set is None:
+            return None
+        params, offset = {}, 0
+        for name, p in self.model.named_parameters():
+            params[name] = self.anchor[offset:offset + p.numel()].view_as(p).to(self.device)
+            offset += p.numel()
+        was_training = self.model.training
+        self.model.eval()
         losses = []
-        for x, y in self.eval_set:
-            with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                losses.append(float(self.eval_model(x.to(self.device), y.to(self.device))))
+        try:
+            for x, y in self.eval_set:
+                with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                    loss = torch.func.functional_call(self.model, params, (x.to(self.device), y.to(self.device)))
+                losses.append(float(loss))
+        finally:
+            self.model.train(was_training)
         return sum(losses) / len(losses)
 
     # --------------------------------------------------------------------------- stop

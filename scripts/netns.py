@@ -57,7 +57,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 __all__ = ["NAME_PREFIX", "NAT_SUBNET", "SUBNET", "Namespaces", "NetnsError", "available", "can_connect",
            "remove_stale", "transfer"]
@@ -279,7 +279,7 @@ class Namespaces:
     """
 
     def __init__(self, n: int, *, rate_mbit: float | None = None, tag: str = "bench", delay_ms: float = 0.0,
-                 nat: Iterable[int] = ()):
+                 nat: Iterable[int] = (), rates: Sequence[float | None] | None = None):
         if not isinstance(n, int) or not 1 <= n <= MAX_HOSTS:
             raise ValueError(f"n must be an int in 1..{MAX_HOSTS}, got {n!r}")
         if rate_mbit is not None and not rate_mbit > 0:
@@ -293,6 +293,10 @@ class Namespaces:
             raise ValueError(f"nat must hold host indices in 0..{n - 1}, got {nat!r}")
         self.n = n
         self.rate_mbit = rate_mbit
+        # rates: a limit per host (None = unlimited) instead of rate_mbit on every link
+        self.rates = list(rates) if rates is not None else [rate_mbit] * n
+        if len(self.rates) != n or any(r is not None and not r > 0 for r in self.rates):
+            raise ValueError(f"rates must hold {n} limits > 0 or None, got {rates!r}")
         self.delay_ms = float(delay_ms)
         self.nat = tuple(nat)
         self._closed = True  # until something exists to remove
@@ -347,9 +351,9 @@ class Namespaces:
             _up(*uplink, f"{self.public_addr(i)}/{SUBNET.prefixlen}")
             if self.is_nat(i):
                 self._build_home(i)
-            if self.rate_mbit is not None:
-                self._limit(*uplink)  # upload
-                self._limit(self.hub, port)  # download
+            if self.rates[i] is not None:
+                self._limit(*uplink, self.rates[i])  # upload
+                self._limit(self.hub, port, self.rates[i])  # download
         if self.delay_ms:
             self._start_delay_line()
 
@@ -363,13 +367,13 @@ class Namespaces:
         _run(["ip", "netns", "exec", router, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
         _run(["ip", "netns", "exec", router, "nft", "-f", "-"], input=_ROUTER_RULES)
 
-    def _limit(self, ns: str, dev: str) -> None:
-        rate_bps = self.rate_mbit * 1e6 / 8
+    def _limit(self, ns: str, dev: str, rate_mbit: float) -> None:
+        rate_bps = rate_mbit * 1e6 / 8
         # burst >= rate/HZ or tbf cannot reach the rate; >= a few full frames so small rates still
         # pass MTU-sized packets (larger GSO packets are segmented by tbf, not dropped)
         burst = max(int(rate_bps * 0.010), 10 * 1514)
         _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf",
-              "rate", f"{int(self.rate_mbit * 1e6)}bit", "burst", str(burst), "latency", f"{TBF_LATENCY_MS}ms"])
+              "rate", f"{int(rate_mbit * 1e6)}bit", "burst", str(burst), "latency", f"{TBF_LATENCY_MS}ms"])
 
     def _start_delay_line(self) -> None:
         here = os.path.dirname(os.path.abspath(__file__))

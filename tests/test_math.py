@@ -294,9 +294,9 @@ def test_validate_state_accepts_good_state():
     assert st.outer_step == 3
     assert_close(st.anchor, tensors[0], rtol=0, atol=0)
     assert_close(st.momentum, tensors[1], rtol=0, atol=0)
-    # copies, not aliases of the downloaded tensors
-    tensors[0].zero_()
-    assert st.anchor.abs().sum() > 0
+    # views of the downloaded tensors (the averager's staging buffer), not copies: the peer copies
+    # them into its live state, and a 685 MB state is not held twice
+    assert st.anchor.data_ptr() == tensors[0].data_ptr()
 
 
 def test_validate_state_accepts_other_shapes_and_dtypes():

@@ -27,6 +27,9 @@ async def _call_rpcs(dht, peer_id: str, prefix: str):
     stub = DilocoAverager.get_stub(p2p, PeerID.from_base58(peer_id), namespace=prefix)
     stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
     downloaded = [message async for message in stream]
+    ask = DilocoAverager.serializer.dumps({"start": 0, "stop": 1000, "state_id": None})
+    stream = await stub.rpc_state_chunk(averaging_pb2.DownloadData(metadata=ask))
+    downloaded += [message async for message in stream if message.tensor_part.buffer]
     gather = DilocoAverager.serializer.dumps([None, 0, DilocoAverager.serializer.dumps({"peer": "stranger"})])
     request = averaging_pb2.JoinRequest(schema_hash=b"x", expiration=get_dht_time() + 5, gather=gather,
                                         group_key=f"{prefix}.0b")

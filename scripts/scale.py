@@ -1,0 +1,320 @@
+#!/usr/bin/env python3
+"""Real sizes on this machine: what a peer of the 85M preset costs, and how a join goes.
+
+    python scripts/scale.py peers --size real --duration 300 --out runs/scale-r1   # 85M, CPU
+    python scripts/scale.py peers --size tiny --duration 30                        # the suite's size
+
+`peers`: founders a and b (the 85M `small-gpu` preset on the CPU as a new user would try it:
+batch 1, H=3, so that rounds come every ~20 s), then joiner c once they have averaged, from
+both. Every 2 s it samples each process of each peer (trainer, averager, DHT, p2pd) as PSS, so
+that pages shared after a fork or through shared memory are not counted twice. Prints the
+round time and bytes of the founders, the joiner's download, and per process and per peer the
+peak and the steady (median after the join) PSS, against issue 11's target: 16 bytes per
+parameter beyond the model, its gradients and AdamW's state (16 more), plus 1.5 GB fixed.
+Real `p2pdiloco join` processes on loopback; every process is reaped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from procmem import peer_roles, sample  # noqa: E402
+
+from p2pdiloco.config import Config  # noqa: E402
+from p2pdiloco.localswarm import LocalSwarm  # noqa: E402
+from p2pdiloco.model import build_model, num_params  # noqa: E402
+
+SIZES = {
+    # the 85M preset on this machine's CPU: a round every ~20 s (same flags as join_bench.py)
+    "real": (str(ROOT / "peers" / "small-gpu.toml"),
+             ["--device", "cpu", "--batch-size", "1", "--inner-steps", "3", "--threads", "1", "--eval-batches", "1",
+              "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--state-timeout", "300"]),
+    "tiny": (str(ROOT / "peers" / "tiny-cpu.toml"), ["--inner-steps", "30", "--state-timeout", "20"]),
+    # the 85M preset with 4 of its 12 layers (28.9M parameters, a 231 MB state): 5 of them fit beside
+    # each other in namespaces, and a download over 50 Mbit/s links still takes seconds
+    "medium": (str(ROOT / "peers" / "small-gpu.toml"),
+               ["--device", "cpu", "--batch-size", "1", "--threads", "1", "--eval-batches", "1", "--n-layer", "4",
+                "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--state-timeout", "300"]),
+    # 1 of its 12 layers (7.7M parameters, a 62 MB state): the suite's netns join, seconds at 20 Mbit/s
+    "small": (str(ROOT / "peers" / "small-gpu.toml"),
+              ["--device", "cpu", "--batch-size", "1", "--threads", "1", "--eval-batches", "1", "--n-layer", "1",
+               "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--state-timeout", "120"]),
+}
+LAYERS = {"medium": 4, "small": 1}
+# join: sources never average (their state stays the shared init), and mostly sleep (--slowdown)
+SOURCE_FLAGS = ["--inner-steps", "1000000", "--slowdown", "20", "--log-interval", "2"]
+ROLES = ("trainer", "averager", "dht", "p2pd")
+TARGET_BYTES_PER_PARAM = 16 + 16  # model, grads, AdamW (16) + at most 16 more
+TARGET_FIXED_MB = 1500.0
+
+
+def model_params(preset: str, overrides: Optional[dict] = None) -> int:
+    cfg = Config.from_sources(preset, overrides or {})
+    with torch.device("meta"):
+        return num_params(build_model(cfg))
+
+
+class Sampler:
+    """Samples the memory of every peer's processes every `every` seconds in a thread."""
+
+    def __init__(self, swarm: LocalSwarm, every: float = 2.0):
+        self.swarm, self.every = swarm, every
+        self.samples: list[dict] = []  # {"time", "peer", role: {...}}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="memory-sampler", daemon=True)
+
+    def __enter__(self) -> "Sampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every):
+            now = time.time()
+            for name, peer in list(self.swarm.peers.items()):
+                if peer.proc.poll() is None:
+                    self.samples.append({"time": now, "peer": name, **sample(peer_roles(peer.pgid))})
+
+
+def memory_table(samples: list[dict], since: dict[str, float]) -> dict:
+    """Per peer and role: peak PSS over the run, steady PSS (median of the samples after `since`)."""
+    out = {}
+    for name in sorted({s["peer"] for s in samples}):
+        mine = [s for s in samples if s["peer"] == name]
+        row = {}
+        for role in (*ROLES, "total"):
+            values = [(s["time"], sum(s[r]["pss_mb"] for r in ROLES if r in s) if role == "total"
+                       else s[role]["pss_mb"]) for s in mine if role == "total" or role in s]
+            late = [v for t, v in values if t >= since.get(name, 0.0)]
+            row[role] = {"peak_mb": max((v for _, v in values), default=None),
+                         "steady_mb": statistics.median(late) if late else None}
+        row["rss_peak_mb"] = {r: max((s[r]["rss_mb"] for s in mine if r in s), default=None) for r in ROLES}
+        out[name] = row
+    return out
+
+
+def run_peers(size: str, duration: float, workdir: Path, data: str = "") -> dict:
+    preset, flags = SIZES[size]
+    if data:
+        flags = [*flags, "--data", data]
+    numel = model_params(preset)
+    round_bound = 180.0 if size == "real" else 30.0
+    with LocalSwarm(workdir, config=preset, extra_args=flags) as swarm, Sampler(swarm) as sampler:
+        t0 = time.time()
+        swarm.start("a")
+        swarm.start("b", join="a")
+        swarm.wait_for(lambda: all(swarm.events(n, "outer") for n in "ab"), timeout=4 * round_bound,
+                       what="the founders' first round")
+        t_founded = time.time()
+        swarm.start("c", join=["a", "b"])
+        swarm.wait_for(lambda: swarm.events("c", "join"), timeout=4 * round_bound, what="the joiner's download")
+        joined = swarm.events("c", "join")[0]
+        swarm.wait_for(lambda: time.time() > joined["time"] + duration, timeout=duration + 60, what="the run's end")
+        exit_codes = swarm.stop_all(timeout=30.0)
+        rounds = [r for n in "ab" for r in swarm.events(n, "outer")]
+        resyncs = [r for n in "abc" for r in swarm.events(n, "resync")]
+        c_rounds = [r for r in swarm.events("c", "outer")]
+    round_s = sorted(r["round_s"] for r in rounds)
+    steady_since = {"a": t_founded, "b": t_founded, "c": joined["time"] + 10}
+    memory = memory_table(sampler.samples, steady_since)
+    target_mb = (TARGET_BYTES_PER_PARAM * numel) / 1e6 + TARGET_FIXED_MB
+    return {
+        "size": size, "params": numel, "duration_s": duration, "founding_s": t_founded - t0,
+        "join_download_s": joined.get("download_s"), "join_outer_step": joined.get("loaded_outer_step"),
+        "state_mb": numel * 8 / 1e6,
+        "founder_rounds": len(rounds), "joiner_rounds": len(c_rounds), "resyncs": len(resyncs),
+        "round_s_median": statistics.median(round_s) if round_s else None,
+        "round_s_p90": round_s[int(0.9 * (len(round_s) - 1))] if round_s else None,
+        "round_bytes_sent_mb": statistics.median(r["bytes_sent"] for r in rounds) / 1e6 if rounds else None,
+        "round_bytes_recv_mb": statistics.median(r["bytes_recv"] for r in rounds) / 1e6 if rounds else None,
+        "memory": memory, "target_mb_per_peer": target_mb,
+        "bytes_per_param_beyond_16": {n: (m["total"]["peak_mb"] * 1e6 - 16 * numel) / numel
+                                      for n, m in memory.items() if m["total"]["peak_mb"]},
+        "exit_codes": exit_codes, "samples": sampler.samples,
+    }
+
+
+def run_join(size: str, sources: int, repeats: int, workdir: Path, *, rate_mbit: float = 0.0,
+             data: str = "", leave: bool = False, stop: bool = False) -> dict:
+    """`sources` peers share state; a joiner (then another, `repeats` times) downloads it and stops.
+    rate_mbit: every source in its own network namespace behind that limit (both directions),
+    the joiner's link unlimited: the sources' uplinks are the bottleneck, as the issue frames it.
+    leave: 1 s into each download, the last live source is SIGKILLed (the joiner must finish from
+    the others, with no traceback). stop: one more joiner gets SIGTERM 1 s into its download; its
+    exit time is measured (issue 11: within 10 s)."""
+    preset, flags = SIZES[size]
+    if data:
+        flags = [*flags, "--data", data]
+    numel = model_params(preset, overrides={"n_layer": LAYERS[size]} if size in LAYERS else {})
+    with contextlib.ExitStack() as stack:
+        net = None
+        if rate_mbit:
+            from netns import Namespaces  # root and `ip netns`: only for this mode
+            net = stack.enter_context(Namespaces(sources + 1, rates=[rate_mbit] * sources + [None], tag="join"))
+        swarm = stack.enter_context(LocalSwarm(workdir, config=preset, extra_args=[]))
+
+        def start(i: int, name: str, *extra: str, join=None) -> None:
+            args = list(flags)
+            wrapper: list = []
+            if net is not None:
+                args = [f"/ip4/{net.addr(i)}/tcp/0" if a.startswith("/ip4/127.0.0.1") else a for a in args]
+                wrapper = net.prefix(i)
+            cmd = [*wrapper, sys.executable, "-m", "p2pdiloco", "join", "--config", preset, "--log-dir",
+                   str(workdir / name), "--maddrs-file", str(workdir / f"{name}.maddrs"), *args, *extra]
+            if join:
+                cmd += ["--initial-peers", *[swarm.maddr(n, timeout=120) for n in join]]
+            swarm.spawn(name, cmd)
+
+        names = [f"s{i}" for i in range(sources)]
+        start(0, names[0], *SOURCE_FLAGS)
+        for i, name in enumerate(names[1:], start=1):
+            start(i, name, *SOURCE_FLAGS, join=names[:1])
+        swarm.wait_for(lambda: all(swarm.events(n, "inner") for n in names), timeout=600, what="every source trains")
+        joins, live = [], list(names)
+
+        def downloading(name: str) -> None:
+            swarm.wait_for(lambda: "downloading the swarm's state" in swarm.stderr(name, tail=1 << 30)
+                           or swarm.peers[name].proc.poll() is not None, timeout=300, what=f"{name} downloads")
+            time.sleep(1.0)
+
+        for r in range(repeats):
+            name = f"j{r}"
+            start(sources, name, "--max-inner-steps", "1", join=live)
+            left = None
+            if leave and len(live) > 1:
+                downloading(name)
+                left = live.pop()
+                swarm.signal(left, signal.SIGKILL)
+            swarm.wait_for(lambda: swarm.events(name, "join") or swarm.peers[name].proc.poll() is not None,
+                           timeout=600, what=f"{name}'s download")
+            event = (swarm.events(name, "join") or [{}])[0]
+            joins.append({"download_s": event.get("download_s"), "sources": event.get("sources"),
+                          "source_killed": left, "exit_code": swarm.wait_exit(name, timeout=120),
+                          "traceback": "Traceback" in swarm.stderr(name, tail=1 << 30)})
+        stopped = None
+        if stop:
+            start(sources, "stopped", join=live)
+            downloading("stopped")
+            t_signal = time.monotonic()
+            swarm.signal("stopped", signal.SIGTERM, whole_group=False)
+            code = swarm.wait_exit("stopped", timeout=60)
+            stopped = {"exit_s": time.monotonic() - t_signal, "exit_code": code,
+                       "joined_first": bool(swarm.events("stopped", "join")),
+                       "traceback": "Traceback" in swarm.stderr("stopped", tail=1 << 30)}
+        exit_codes = swarm.stop_all(timeout=30.0)
+    state_mb = numel * 8 / 1e6
+    link_s = state_mb * 8 / rate_mbit / sources if rate_mbit else None
+    for j in joins:
+        j["mb_per_s"] = state_mb / j["download_s"] if j["download_s"] else None
+        j["x_link"] = j["download_s"] / link_s if link_s and j["download_s"] else None
+    return {"size": size, "params": numel, "state_mb": state_mb, "sources": sources, "rate_mbit": rate_mbit,
+            "link_s": link_s, "joins": joins, "stopped": stopped, "exit_codes": exit_codes}
+
+
+def print_join(result: dict) -> None:
+    where = f"{result['rate_mbit']:g} Mbit/s per source (netns)" if result["rate_mbit"] else "loopback"
+    print(f"{result['size']}: {result['params']:,} parameters, state {result['state_mb']:.0f} MB, "
+          f"{result['sources']} sources, {where}")
+    if result["link_s"]:
+        print(f"the links alone: {result['link_s']:.2f} s (state / rate / sources)")
+    for i, j in enumerate(result["joins"]):
+        took = "-" if j["download_s"] is None else f"{j['download_s']:.2f} s"
+        rate = "" if not j["mb_per_s"] else f", {j['mb_per_s']:.0f} MB/s"
+        vs = "" if not j["x_link"] else f", {j['x_link']:.2f}x the links"
+        killed = f" ({j['source_killed']} SIGKILLed 1 s in)" if j["source_killed"] else ""
+        print(f"join {i}: {took} from {j['sources']} source(s){killed}{rate}{vs}; exit {j['exit_code']}"
+              f"{'; TRACEBACK in its log' if j['traceback'] else ''}")
+    if result["stopped"]:
+        st = result["stopped"]
+        print(f"SIGTERM 1 s into a download: exited {st['exit_s']:.1f} s later with code {st['exit_code']}"
+              f"{' (its download had finished)' if st['joined_first'] else ''}"
+              f"{'; TRACEBACK in its log' if st['traceback'] else ''}")
+
+
+def print_peers(result: dict) -> None:
+    print(f"{result['size']}: {result['params']:,} parameters; state {result['state_mb']:.0f} MB; "
+          f"founders averaged after {result['founding_s']:.0f} s")
+    print(f"founders: {result['founder_rounds']} rounds, round time median {result['round_s_median']:.1f} s, "
+          f"p90 {result['round_s_p90']:.1f} s; {result['round_bytes_sent_mb']:.1f} MB sent, "
+          f"{result['round_bytes_recv_mb']:.1f} MB received per round")
+    print(f"joiner: downloaded outer step {result['join_outer_step']} in {result['join_download_s']:.2f} s; "
+          f"{result['joiner_rounds']} rounds applied after; {result['resyncs']} resync(s) in the swarm")
+    print(f"\n{'peer':5} {'role':9} {'peak PSS MB':>12} {'steady PSS MB':>14} {'peak RSS MB':>12}")
+    for name, row in result["memory"].items():
+        for role in (*ROLES, "total"):
+            cell = row[role]
+            rss = row["rss_peak_mb"].get(role) if role != "total" else None
+            print(f"{name:5} {role:9} {_mb(cell['peak_mb']):>12} {_mb(cell['steady_mb']):>14} {_mb(rss):>12}")
+    per_param = ", ".join(f"{n} {v:.1f}" for n, v in result["bytes_per_param_beyond_16"].items())
+    print(f"\ntarget per peer: {result['target_mb_per_peer']:.0f} MB (32 B/param + 1.5 GB); "
+          f"peak bytes per parameter beyond model+grads+AdamW (incl. fixed): {per_param}")
+
+
+def _mb(value) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="mode", required=True)
+    peers = sub.add_parser("peers", help="2 founders and a joiner: memory per process, rounds, the join")
+    peers.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    peers.add_argument("--duration", type=float, default=60.0, help="seconds after the joiner's download")
+    join = sub.add_parser("join", help="joiners download the state of several sources: seconds and MB/s")
+    join.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    join.add_argument("--sources", type=int, default=3)
+    join.add_argument("--repeats", type=int, default=2, help="joiners, one after the other")
+    join.add_argument("--leave", action="store_true", help="SIGKILL a source 1 s into each download")
+    join.add_argument("--stop", action="store_true", help="one more joiner, SIGTERMed 1 s into its download")
+    join.add_argument("--rate-mbit", type=float, default=0.0,
+                      help="each source in a network namespace behind this limit (needs root); 0 = loopback")
+    for sub_parser in (peers, join):
+        sub_parser.add_argument("--data", default="", help="corpus file (default: the bundled corpus)")
+        sub_parser.add_argument("--out", default="", help="directory for the peers' logs and result.json")
+    args = parser.parse_args(argv)
+    if args.mode == "peers" and args.duration <= 0:
+        parser.error("--duration must be positive")
+    if args.mode == "join" and not (1 <= args.sources <= 8 and 1 <= args.repeats <= 10 and args.rate_mbit >= 0):
+        parser.error("--sources must be 1..8, --repeats 1..10, --rate-mbit >= 0")
+    out = Path(args.out or tempfile.mkdtemp(prefix="p2pdiloco-scale-"))
+    out.mkdir(parents=True, exist_ok=True)
+    if args.mode == "peers":
+        result = run_peers(args.size, args.duration, out / "peers", args.data)
+        print_peers(result)
+    else:
+        if args.rate_mbit:
+            from netns import available
+
+            ok, why = available()
+            if not ok:
+                print(f"scale.py: --rate-mbit needs network namespaces: {why}", file=sys.stderr)
+                return 2
+        result = run_join(args.size, args.sources, args.repeats, out / "peers", rate_mbit=args.rate_mbit,
+                          data=args.data, leave=args.leave, stop=args.stop)
+        print_join(result)
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    print(f"result.json in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Issue 11 at the suite's size (scripts/scale.py; the 85M numbers are in docs/scale.md): memory
+per process of real peers, joins that take the state from several sources at once, a source that
+dies mid-download, and a SIGTERM during a download. Where network namespaces are missing the
+throttled join must say why on one line and exit 2 — that is asserted instead, never skipped."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import scale  # noqa: E402
+from netns import available  # noqa: E402
+
+NETNS_OK, WHY = available()
+
+
+@pytest.mark.timeout(300)
+def test_scale_peers_measures_every_process(tmp_path, corpus):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "scale.py"), "peers", "--size", "tiny",
+                           "--duration", "10", "--data", str(corpus), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["founder_rounds"] > 0 and result["join_download_s"] > 0, result
+    for name in "abc":
+        row = result["memory"][name]
+        for role in ("trainer", "averager", "dht", "p2pd"):
+            assert row[role]["peak_mb"] > 0, (name, role, row)
+        # the forked children no longer carry the trainer's model: far below the trainer's own share
+        assert row["dht"]["steady_mb"] < 400 and row["total"]["peak_mb"] < result["target_mb_per_peer"], row
+    assert "peak PSS MB" in proc.stdout and "target per peer" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_a_join_takes_chunks_from_every_source(tmp_path, corpus):
+    r = scale.run_join("tiny", 3, 1, tmp_path / "peers", data=str(corpus))
+    (join,) = r["joins"]
+    assert join["sources"] == 3 and join["exit_code"] == 0 and not join["traceback"], r
+
+
+@pytest.mark.timeout(420)
+def test_a_source_leaves_mid_download_and_a_stop_interrupts_one(tmp_path, corpus):
+    if not NETNS_OK:
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "scale.py"), "join", "--size", "small",
+                               "--rate-mbit", "20"], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert WHY in proc.stderr
+        return
+    # 3 sources behind 20 Mbit/s each: a 62 MB state takes ~8 s, so the kill lands mid-download
+    r = scale.run_join("small", 3, 1, tmp_path / "peers", rate_mbit=20, data=str(corpus), leave=True, stop=True)
+    (join,) = r["joins"]
+    assert join["source_killed"] and join["exit_code"] == 0 and not join["traceback"], r
+    assert join["download_s"] is not None and join["sources"] >= 2, r
+    stopped = r["stopped"]
+    assert not stopped["joined_first"], r  # the SIGTERM came while it downloaded ...
+    assert stopped["exit_s"] <= 10 and stopped["exit_code"] == 0 and not stopped["traceback"], r  # ... and was honoured
