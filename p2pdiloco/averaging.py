@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import hmac
 import logging
 import math
+import multiprocessing as mp
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,7 +50,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from p2pdiloco import diloco
 from p2pdiloco.compression import BlockwiseQuantization, bytes_per_value, make_codec
 from p2pdiloco.secret import peer_token
-from p2pdiloco.state import SharedState, StateSharing
+from p2pdiloco.state import SharedState, StateSharing, release_pages
 
 logger = logging.getLogger(__name__)
 
@@ -408,7 +410,10 @@ class DilocoAverager(StateSharing, hivemind.DecentralizedAverager):
         # downloads land in the round buffer when it holds 2N values (idle between rounds), else in their own
         numel = shared.numel if shared is not None else 0
         size = sum(t.numel() for t in averaged_tensors)
-        self._staging_buf = torch.zeros(2 * numel).share_memory_() if numel and size < 2 * numel else None
+        self._staging_buf = torch.empty(2 * numel).share_memory_() if numel and size < 2 * numel else None
+        # a merge round's anchor and momentum segments: filled by the averager process from `shared` when
+        # the group decides to merge (unless the trainer already put its own values there: tests)
+        self._merge_filled = mp.Value(ctypes.c_bool, False)
         self._slots = slots  # > 1: each member's pseudo-gradient keeps its own slot (outer_apply = per_contribution)
         self.merge_size = merge_size
         assert not merge_size or sum(t.numel() for t in averaged_tensors) == 3 * merge_size
@@ -448,6 +453,12 @@ class DilocoAverager(StateSharing, hivemind.DecentralizedAverager):
         if self._staging_buf is not None:
             return self._staging_buf
         return self._averaged_tensors[0][-2 * self._shared.numel:]
+
+    def release_staging(self) -> None:
+        """Give the memory of the staging area (a merge round's segments) back to the system until the
+        next download or merge round: most rounds never touch it (state.release_pages)."""
+        if self._shared is not None:
+            release_pages(self.staging)
 
     # --- with a run secret: only peers that know it may join our groups or download our state ---
 
@@ -528,6 +539,9 @@ class DilocoAverager(StateSharing, hivemind.DecentralizedAverager):
                 raise AllreduceException(policy.merge_problem)
             else:  # a merge round: all three segments, in fp32, anchor and momentum scaled (ContributionPolicy)
                 scale = policy.merge_scales[sender_ids.index(self.peer_id)] if self.peer_id in sender_ids else 0.0
+                if scale and not self._merge_filled.value:  # the trainer does not write them while we run
+                    buffer[n:2 * n].copy_(self._shared.anchor)
+                    buffer[2 * n:].copy_(self._shared.momentum)
                 if scale:
                     buffer[n:].mul_(scale)
                 else:  # a member behind (or excluded) sends zeros, whatever its own values are, and adopts the average
@@ -591,8 +605,14 @@ class RoundRunner:
         gather = {**gather, "norm": float(pseudo_grad.norm()), "weight": weight}
         with self.averager.get_tensors() as (buffer,):
             if merging is not None:
+                shared = self.averager._shared
+                # the live state is copied into the merge segments only if the group merges (averager
+                # process); anything else (a test's corrupted anchor) is copied here
+                own = shared is None or merging[0].data_ptr() != shared.anchor.data_ptr()
+                self.averager._merge_filled.value = own
                 for segment, (key, tensor) in enumerate(zip(("anchor_norm", "momentum_norm"), merging), start=1):
-                    buffer[segment * n:(segment + 1) * n].copy_(tensor)
+                    if own:
+                        buffer[segment * n:(segment + 1) * n].copy_(tensor)
                     gather[key] = float(tensor.norm())
             elif buffer.numel() != n:  # per_contribution: slot 0, the averager moves it
                 buffer.zero_()

@@ -83,6 +83,7 @@ class SwarmRounds:
             self.anchor.copy_(loaded.anchor)
             self.momentum.copy_(loaded.momentum)
             self.outer_step = loaded.outer_step
+        self.averager.release_staging()  # `loaded` was a view of it
         if keep_local:
             rebase_(self.model, self.anchor, self._snapshot if self._snapshot is not None else old_anchor)
         else:
@@ -193,9 +194,16 @@ class SwarmRounds:
 
     def _finish_round(self, pending: PendingRound) -> bool:
         """Apply the round's average as one outer step (True), or discard it (False)."""
+        outcome: RoundOutcome = pending.future.result()
+        try:
+            return self._apply_round(pending, outcome)
+        finally:  # a merge round's segments (read by _apply_round) go back to the system
+            if self.averager is not None:
+                self.averager.release_staging()
+
+    def _apply_round(self, pending: PendingRound, outcome: RoundOutcome) -> bool:
         snapshot, base, tokens = pending.snapshot, pending.base, pending.tokens
         weight, age = pending.weight, pending.age
-        outcome: RoundOutcome = pending.future.result()
         if outcome.report is not None:
             for peer, why in outcome.report.rejected.items():
                 self.metrics.log("bad_contribution", sender=peer, reason=why, outer_step=self.outer_step)

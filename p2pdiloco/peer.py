@@ -133,9 +133,10 @@ class Peer(SwarmRounds):
         slots = cfg.target_group_size if cfg.outer_apply == "per_contribution" else 1
         # merge_anchors: one buffer for [pseudo-gradient | anchor | momentum], the last two used by merge rounds
         self.merging = cfg.merge_anchors and slots == 1
-        self.averager = DilocoAverager([torch.zeros(self.numel * (3 if self.merging else slots))], self.dht,
+        self.averager = DilocoAverager([torch.empty(self.numel * (3 if self.merging else slots))], self.dht,
                                        cfg=cfg, shared=self.shared, slots=slots,
                                        merge_size=self.numel if self.merging else 0, client_mode=self.reach.client)
+        self.averager.release_staging()  # merge segments and download staging: in memory only while used
         self.rounds = RoundRunner(self.averager, self.dht, cfg)
         # again: hivemind's averager sets SIGINT to ignored when it starts
         if self.handle_signals:

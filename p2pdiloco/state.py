@@ -26,9 +26,11 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import ctypes
 import hashlib
 import logging
 import math
+import mmap
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
@@ -90,6 +92,24 @@ class SharedState:
     def read(self) -> tuple[int, int, int]:
         seq, outer_step, sid = (int(v) for v in self.meta.tolist())
         return seq, outer_step, sid
+
+
+_MADV_REMOVE = 9  # Linux: free the shared-memory pages of a range; reading them again gives zeros
+
+
+def release_pages(tensor: torch.Tensor) -> None:
+    """Return the whole pages of a shared-memory tensor to the system (they read as zeros after). A
+    no-op where madvise is not available: the memory then simply stays in use."""
+    start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    page = mmap.PAGESIZE
+    lo, hi = -(-start // page) * page, end // page * page
+    if hi <= lo or not tensor.is_shared():
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_REMOVE)
+    except (OSError, AttributeError) as e:
+        logger.debug(f"madvise unavailable: {e!r}")
 
 
 def state_id(anchor: torch.Tensor, momentum: torch.Tensor, idx: torch.Tensor) -> int:

@@ -11,6 +11,7 @@ import torch
 
 from p2pdiloco.averaging import DilocoAverager, RoundRunner
 from p2pdiloco.config import Config
+from p2pdiloco.state import SharedState
 from tests.conftest import LOOPBACK_DHT
 
 pytestmark = pytest.mark.timeout(120)
@@ -31,8 +32,11 @@ def peers(count: int, *, merge: bool = False, **overrides):
         for _ in range(count - 1):
             dhts.append(hivemind.DHT(start=True, initial_peers=first, **LOOPBACK_DHT))
         for dht in dhts:
+            # merge-capable ones, as a Peer's: the live anchor and momentum in shared memory, which
+            # the averager process copies into the round only when the group merges
             averagers.append(DilocoAverager([torch.zeros(3 * N if merge else N)], dht, cfg=cfg,
-                                            state_fn=lambda: ({}, []), merge_size=N if merge else 0))
+                                            shared=SharedState(N) if merge else None,
+                                            merge_size=N if merge else 0))
         yield cfg, [RoundRunner(a, d, cfg) for a, d in zip(averagers, dhts)]
     finally:
         for averager in averagers:
@@ -123,7 +127,7 @@ def test_per_contribution_slots_return_each_members_pseudo_grad():
         dhts.append(hivemind.DHT(start=True, initial_peers=[str(a) for a in dhts[0].get_visible_maddrs()],
                                  **LOOPBACK_DHT))
         for dht in dhts:
-            averagers.append(DilocoAverager([torch.zeros(N * size)], dht, cfg=cfg, state_fn=lambda: ({}, []),
+            averagers.append(DilocoAverager([torch.zeros(N * size)], dht, cfg=cfg,
                                             slots=size))
         runners = [RoundRunner(a, d, cfg) for a, d in zip(averagers, dhts)]
         grads = [torch.randn(N), torch.randn(N)]
@@ -149,7 +153,13 @@ def _merge_round(runners, anchors, momenta, grads, steps, weights):
     from p2pdiloco import diloco
 
     idx = diloco.digest_indices(N)
-    futures = [r.start(g, weight=w, anchor=a, momentum=m,
+    live = []
+    for r, a, m in zip(runners, anchors, momenta):  # each member's state, where a Peer keeps it
+        shared = r.averager._shared
+        shared.anchor.copy_(a)
+        shared.momentum.copy_(m)
+        live.append((shared.anchor, shared.momentum))
+    futures = [r.start(g, weight=w, anchor=live[i][0], momentum=live[i][1],
                        gather={"i": i, "outer_step": s, "digest": diloco.anchor_digest(a, idx)})
                for i, (r, a, m, g, s, w) in enumerate(zip(runners, anchors, momenta, grads, steps, weights))]
     return [f.result(timeout=60) for f in futures]
@@ -165,6 +175,8 @@ def test_members_whose_anchors_differ_merge_them_in_the_round():
         grads = [torch.randn(N) * 0.01 for _ in range(3)]
         weights = [1.0, 2.0, 1.0]
         outcomes = _merge_round(runners, anchors, momenta, grads, [4, 4, 3], weights)
+        for r, a in zip(runners, anchors):  # the round scaled its copies, never the live state
+            assert torch.equal(r.averager._shared.anchor, a)
     expected_grad = sum(w * g for w, g in zip(weights, grads)) / sum(weights)
     for o in outcomes:
         assert o.ok, o.reason
