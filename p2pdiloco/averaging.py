@@ -55,6 +55,7 @@ from p2pdiloco.state import SharedState, StateSharing, release_pages
 logger = logging.getLogger(__name__)
 
 
+ALLREDUCE_PIECE = 2**22  # values per tensor handed to hivemind's all-reduce (16 MB in fp32)
 ABSTAIN = "abstain"  # verdict of a member whose own contribution was excluded: it does not apply, others may
 
 
@@ -548,6 +549,9 @@ class DilocoAverager(StateSharing, hivemind.DecentralizedAverager):
                     buffer[n:].zero_()
                 kwargs["compression"] = NoCompression()
                 codec, segments = None, n
+        # in pieces: hivemind assembles each averaged tensor whole before handing it back, so one
+        # 85M-value tensor held its received parts and their concatenation at once (GBs at the peak)
+        tensors = [piece for tensor in tensors for piece in tensor.split(ALLREDUCE_PIECE)]
         runner = CountingAllReduceRunner(
             p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
             ordered_peer_ids=group_info.peer_ids, policy=policy, codec=codec, segments=segments, **kwargs,

@@ -89,17 +89,6 @@ def load_flat_(model: nn.Module, flat: torch.Tensor) -> None:
             offset += n
 
 
-def rebase_(model: nn.Module, new_base: torch.Tensor, old_base: torch.Tensor) -> None:
-    """local += new_base - old_base, parameter by parameter: the progress made since old_base, moved
-    onto new_base (diloco.merge_local) without a flat copy of the model."""
-    offset = 0
-    with torch.no_grad():
-        for p in model.parameters():
-            n = p.numel()
-            p.add_((new_base[offset:offset + n] - old_base[offset:offset + n]).view_as(p).to(p.device, p.dtype))
-            offset += n
-
-
 def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

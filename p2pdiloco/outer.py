@@ -32,7 +32,7 @@ import torch
 
 from p2pdiloco import diloco, state, swarm
 from p2pdiloco.averaging import RoundOutcome, contribution_weight
-from p2pdiloco.model import flat_params, load_flat_, rebase_
+from p2pdiloco.model import flat_params, load_flat_
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +60,10 @@ class PendingRound:
     """The round in flight, and what applying (or discarding) it needs."""
 
     future: concurrent.futures.Future  # -> RoundOutcome
-    snapshot: torch.Tensor  # the local weights the pseudo-gradient was taken from
-    base: torch.Tensor      # what the local model has trained from since: the snapshot, or the eager preview
+    delta: torch.Tensor     # our pseudo-gradient, anchor - snapshot. With the anchor and momentum (which
+    # nothing changes while a round is in flight) it gives the snapshot and the eager preview again:
+    # 4 bytes per parameter kept instead of 8 (docs/scale.md)
+    eager: bool             # the local model trains from the eager preview (else from the snapshot)
     tokens: int             # tokens behind the pseudo-gradient
     weight: float
     age: int                # outer steps behind the swarm when it started
@@ -71,6 +73,14 @@ class PendingRound:
     formed_at: Optional[float] = None     # time.monotonic() then
 
 
+def _param_slices(model: torch.nn.Module, flat: torch.Tensor):
+    """(parameter, the matching slice of a flat vector) for each parameter, in flat_params order."""
+    offset = 0
+    for param in model.parameters():
+        yield param, flat[offset:offset + param.numel()]
+        offset += param.numel()
+
+
 class SwarmRounds:
     """The round half of Peer: _start_round / _finish_round and what they need."""
 
@@ -78,15 +88,17 @@ class SwarmRounds:
         """Adopt a downloaded anchor; keep_local keeps the progress made since the last snapshot
         (tokens_kept tokens) and contributes it at once, to land in the same matchmaking window
         as the group it fell behind: waiting inner_steps would miss it and diverge again."""
-        old_anchor = self.anchor.clone() if keep_local and self._snapshot is None else None
+        if keep_local and self._kept is None:  # progress since our own anchor
+            self._kept = flat_params(self.model) - self.anchor
         with self._updating_state():  # loaded: views of the averager's idle round buffer, copied in place
             self.anchor.copy_(loaded.anchor)
             self.momentum.copy_(loaded.momentum)
             self.outer_step = loaded.outer_step
         self.averager.release_staging()  # `loaded` was a view of it
         if keep_local:
-            rebase_(self.model, self.anchor, self._snapshot if self._snapshot is not None else old_anchor)
+            self._place_progress()
         else:
+            self._kept = None
             load_flat_(self.model, self.anchor)
         self._params_changed = True
         self.tokens_since_anchor = tokens_kept if keep_local else 0
@@ -148,9 +160,10 @@ class SwarmRounds:
         if too_stale and not self.merging:
             self._resync(f"{age} outer steps behind the swarm", keep_local=False)
             return None
-        snapshot = flat_params(self.model)
         with self.state_lock:
-            delta = diloco.pseudo_grad(self.anchor, snapshot)
+            delta = self.anchor.clone()  # - snapshot, parameter by parameter: no flat copy of the model
+            for param, part in _param_slices(self.model, delta):
+                part.sub_(param.detach().reshape(-1).to(part.device, part.dtype))
             digest = diloco.anchor_digest(self.anchor, self.digest_idx)
             # no copies: the round copies them into its buffer before it can finish, and only a
             # finished round (or a resync between rounds) changes them
@@ -172,12 +185,10 @@ class SwarmRounds:
         if cfg.full_groups:  # everyone live is expected: the group forms once they are all in
             live = min(cfg.target_group_size, self.swarm_size)
             self.averager.set_target_group_size(live if live >= max(2, cfg.min_group_size) else cfg.target_group_size)
-        base = snapshot
         if self.eager:  # train the round in flight from where the anchor will about be (arXiv 2502.12996)
-            with self.state_lock:
-                base = diloco.preview_outer_step(self.anchor, self.momentum, delta, outer_lr=cfg.outer_lr,
-                                                 outer_momentum=cfg.outer_momentum)
-            load_flat_(self.model, base)
+            with torch.no_grad():
+                for param, part in _param_slices(self.model, delta):
+                    param.copy_(self._base(part, delta, eager=True).view_as(param))
             self._params_changed = True
         self.steps_since_round = 0
         outer_step = self.outer_step
@@ -186,7 +197,7 @@ class SwarmRounds:
             pending.formed_at_step, pending.formed_at = self.inner_step, time.monotonic()
             self.metrics.log("allreduce_started", outer_step=outer_step)
 
-        pending = PendingRound(None, snapshot, base, self.tokens_since_anchor, weight, age,
+        pending = PendingRound(None, delta, self.eager, self.tokens_since_anchor, weight, age,
                                start_step=self.inner_step, started_at=time.monotonic())
         pending.future = self.rounds.start(sent, weight=weight, gather=gather, anchor=anchor, momentum=momentum,
                                            on_allreduce=formed)
@@ -202,8 +213,7 @@ class SwarmRounds:
                 self.averager.release_staging()
 
     def _apply_round(self, pending: PendingRound, outcome: RoundOutcome) -> bool:
-        snapshot, base, tokens = pending.snapshot, pending.base, pending.tokens
-        weight, age = pending.weight, pending.age
+        tokens, weight, age = pending.tokens, pending.weight, pending.age
         if outcome.report is not None:
             for peer, why in outcome.report.rejected.items():
                 self.metrics.log("bad_contribution", sender=peer, reason=why, outer_step=self.outer_step)
@@ -221,14 +231,20 @@ class SwarmRounds:
         spread = max(diloco.digest_spread(m["digest"], reference["digest"]) for m in members)
         merged = outcome.anchor is not None
         if not merged and diloco.digest_spread(mine["digest"], reference["digest"]) > self.cfg.anchor_tolerance:
-            self._undo_preview(pending)
-            self._snapshot = snapshot
+            # our progress since the round's base goes onto the downloaded anchor; if no download
+            # comes, it goes back onto our snapshot (the pseudo-gradient is kept for that)
+            self._kept = self._local_progress(pending, out=torch.empty_like(pending.delta))
             # the reference members apply this round: wait until one of them offers the result
             self._resync(f"anchor differs from the group's (spread {spread:.2e})", keep_local=True,
                          min_outer_step=reference["outer_step"] + 1, tokens_kept=self.tokens_since_anchor - tokens)
+            if self._kept is not None:  # no download came: our progress goes back onto our snapshot
+                self._kept = None
+                self._undo_preview(pending)
             return False
         diverged = sum(diloco.digest_spread(m["digest"], reference["digest"]) > self.cfg.anchor_tolerance
                        for m in members)
+        # the local weights become the new anchor + our progress since the round's base (before the anchor moves)
+        self._kept = self._local_progress(pending, out=pending.delta)
         # every member derives the same share from the same announcements, so anchors stay equal
         share = diloco.group_share([m.get("swarm", 1) for m in members]) if self.cfg.group_share else 1.0
         with self._updating_state():
@@ -243,7 +259,7 @@ class SwarmRounds:
                 diloco.outer_step_(self.anchor, self.momentum, outcome.average * share, outer_lr=self.cfg.outer_lr,
                                    outer_momentum=self.cfg.outer_momentum)
             self.outer_step = max(m["outer_step"] for m in members) + 1
-        rebase_(self.model, self.anchor, base)  # diloco.merge_local, in place
+        self._place_progress()  # diloco.merge_local, parameter by parameter
         self._params_changed = True
         self.tokens_since_anchor -= tokens
         if self._count_from_formation(pending):
@@ -295,9 +311,42 @@ class SwarmRounds:
     def _undo_preview(self, pending: PendingRound) -> None:
         """Eager: move the progress made on the preview back onto the snapshot, when the round is not
         applied: nothing of our own work is lost, the next pseudo-gradient carries it."""
-        if pending.base is not pending.snapshot:
-            rebase_(self.model, pending.snapshot, pending.base)
+        if pending.eager:
+            with torch.no_grad():
+                for param, part in _param_slices(self.model, pending.delta):
+                    snapshot = self._base(part, pending.delta, eager=False)
+                    param.add_((snapshot - self._base(part, pending.delta, eager=True)).view_as(param))
             self._params_changed = True
+
+    def _base(self, part: torch.Tensor, delta: torch.Tensor, *, eager: bool) -> torch.Tensor:
+        """The slice `part` (a view of `delta`) of what the local model trained from since the round
+        started: the snapshot (anchor - delta), or the eager preview of the outer step."""
+        start = part.storage_offset() - delta.storage_offset()
+        sl = slice(start, start + part.numel())
+        if not eager:
+            return self.anchor[sl] - part
+        return diloco.preview_outer_step(self.anchor[sl], self.momentum[sl], part, outer_lr=self.cfg.outer_lr,
+                                         outer_momentum=self.cfg.outer_momentum)
+
+    def _local_progress(self, pending: PendingRound, *, out: torch.Tensor) -> torch.Tensor:
+        """local - base into `out` (may be pending.delta itself, when it is no longer needed): the
+        steps we made since the round started, to be kept on whatever anchor comes next. Called
+        before the anchor changes."""
+        with torch.no_grad():
+            for (param, part), (_, result) in zip(_param_slices(self.model, pending.delta),
+                                                  _param_slices(self.model, out)):
+                base = self._base(part, pending.delta, eager=pending.eager)
+                result.copy_(param.detach().reshape(-1).to(part.device, part.dtype) - base)
+        return out
+
+    def _place_progress(self) -> None:
+        """local = anchor + the progress kept by _local_progress (self._kept)."""
+        progress, self._kept = self._kept, None
+        with torch.no_grad():
+            for param, part in _param_slices(self.model, progress):
+                offset = part.storage_offset() - progress.storage_offset()
+                param.copy_((self.anchor[offset:offset + part.numel()] + part).view_as(param))
+        self._params_changed = True
 
     def _resync(self, reason: str, *, keep_local: bool, min_outer_step: int = 0, tokens_kept: int = 0) -> None:
         self._progress(f"p2pdiloco: resyncing state ({reason}) ...")

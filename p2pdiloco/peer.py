@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import copy
+import ctypes
 import dataclasses
 import logging
 import math
@@ -41,6 +42,17 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def fixed_mmap_threshold(nbytes: int = 1 << 20) -> None:
+    """glibc raises its mmap threshold each time a large block is freed (up to 32 MB), after which
+    blocks of a layer's size come from the heap and are not given back: a peer's memory crept up by
+    GBs. A fixed threshold keeps every block over 1 MB in its own mapping, returned when freed.
+    Inherited by the DHT and averager processes (set before they fork); a no-op off glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError) as e:
+        logger.debug(f"mallopt unavailable: {e!r}")
 
 
 class Peer(SwarmRounds):
@@ -90,6 +102,7 @@ class Peer(SwarmRounds):
         cfg = self.cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        fixed_mmap_threshold()
         own_model = self.model is None
         if own_model:
             self.device = self.ranks.pick_device(cfg.device) if self.ranks else pick_device(cfg.device)
@@ -305,7 +318,7 @@ class Peer(SwarmRounds):
         try:
             if self.handle_signals:
                 self._install_signal_handlers()
-            self._snapshot = None
+            self._kept = None  # local progress to place on the next anchor (outer.py)
             self._setup()
             if self.leader:
                 self._join()
@@ -316,7 +329,7 @@ class Peer(SwarmRounds):
     def start(self) -> None:
         """Set up and join the swarm without running our own loop (the Python API drives the
         steps through `after_step`)."""
-        self._snapshot = None
+        self._kept = None  # local progress to place on the next anchor (outer.py)
         self._setup()
         self._join()
         self.begin_training()

@@ -1,8 +1,12 @@
 #!/usr/bin/env python3
-"""Real sizes on this machine: what a peer of the 85M preset costs, and how a join goes.
+"""Real sizes on this machine: what a peer of the 85M preset costs, how joins go, how a swarm grows.
 
-    python scripts/scale.py peers --size real --duration 300 --out runs/scale-r1   # 85M, CPU
-    python scripts/scale.py peers --size tiny --duration 30                        # the suite's size
+    python scripts/scale.py peers --size real --duration 120 --out runs/scale     # 85M, CPU: memory, rounds
+    python scripts/scale.py join --size real --sources 3                          # 85M joins from 3 sources
+    python scripts/scale.py join --size medium --sources 4 --rate-mbit 50         # ... behind 50 Mbit/s (netns)
+    python scripts/scale.py join --size small --rate-mbit 20 --leave --stop       # a source dies; a SIGTERM
+    python scripts/scale.py swarm --sizes 2 4 8 16 --plot docs/img/scale-swarm.png
+    python scripts/scale.py peers --size tiny --duration 10                       # the suite's sizes
 
 `peers`: founders a and b (the 85M `small-gpu` preset on the CPU as a new user would try it:
 batch 1, H=3, so that rounds come every ~20 s), then joiner c once they have averaged, from
@@ -11,7 +15,14 @@ that pages shared after a fork or through shared memory are not counted twice. P
 round time and bytes of the founders, the joiner's download, and per process and per peer the
 peak and the steady (median after the join) PSS, against issue 11's target: 16 bytes per
 parameter beyond the model, its gradients and AdamW's state (16 more), plus 1.5 GB fixed.
-Real `p2pdiloco join` processes on loopback; every process is reaped at the end.
+
+`join`: sources that share state (and never average), then joiners one after the other: seconds,
+MB/s, sources used; with --rate-mbit each source sits in a network namespace behind that limit.
+
+`swarm`: 2..16 tiny peers paced by --slowdown: group sizes, rounds per minute, round time, DHT
+bytes per peer per round, as the swarm grows.
+
+Real `p2pdiloco join` processes; every process (and namespace) is reaped at the end.
 """
 
 from __future__ import annotations
@@ -230,6 +241,102 @@ def run_join(size: str, sources: int, repeats: int, workdir: Path, *, rate_mbit:
             "link_s": link_s, "joins": joins, "stopped": stopped, "exit_codes": exit_codes}
 
 
+def _io_bytes(pid: int) -> int:
+    """Bytes the process read and wrote through syscalls (sockets and pipes included)."""
+    try:
+        fields = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+        return int(fields["rchar"]) + int(fields["wchar"])
+    except (OSError, KeyError, ValueError):
+        return 0
+
+
+def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, data: str = "") -> dict:
+    """`size` tiny peers start together through a bootstrap node, paced by --slowdown so that 16 fit
+    on 2 cores, and train for `duration` s. Per peer: group sizes, applied rounds per minute,
+    round time, failed rounds, and the bytes its DHT process moved (through its p2pd socket and
+    its pipes to the trainer and averager) per applied round."""
+    preset, flags = SIZES["tiny"]
+    flags = [*flags, "--slowdown", str(slowdown), "--wait-for-peers", str(size), "--max-time", str(duration),
+             "--run-id", f"scale-swarm-{size}", "--bootstrap-timeout", "120"]
+    if data:
+        flags = [*flags, "--data", data]
+    names = [f"p{i:02d}" for i in range(size)]
+    with LocalSwarm(workdir, config=preset, extra_args=flags) as swarm:
+        swarm.start_bootstrap()
+        boot = swarm.maddr("boot")
+        for name in names:
+            swarm.spawn(name, [sys.executable, "-m", "p2pdiloco", "join", "--config", preset, "--log-dir",
+                               str(workdir / name), "--maddrs-file", str(workdir / f"{name}.maddrs"), *flags,
+                               "--initial-peers", boot])
+        t0 = time.time()
+        swarm.wait_for(lambda: all(swarm.events(n, "inner") for n in names), timeout=240 + 10 * size,
+                       what="every peer trains")
+        t_trained = time.time()
+        first: dict[str, tuple] = {}  # peer -> (DHT process I/O bytes, applied rounds), first and last seen
+        last: dict[str, tuple] = {}
+        deadline = time.monotonic() + duration + 180
+        while time.monotonic() < deadline and any(swarm.peers[n].proc.poll() is None for n in names):
+            for name in names:
+                pid = peer_roles(swarm.peers[name].pgid).get("dht")
+                if pid and swarm.peers[name].proc.poll() is None:
+                    seen = (_io_bytes(pid), len(swarm.events(name, "outer")))
+                    first.setdefault(name, seen)
+                    last[name] = seen
+            time.sleep(5.0)
+        exit_codes = swarm.stop_all(timeout=30.0)
+        outer = {n: swarm.events(n, "outer") for n in names}
+        failed = {n: swarm.events(n, "round_failed") for n in names}
+        finals = {n: (swarm.events(n, "final") or [{}])[0] for n in names}
+    groups = [r["group_size"] for rs in outer.values() for r in rs]
+    round_s = sorted(r["round_s"] for rs in outer.values() for r in rs)
+    wall = statistics.median(f.get("wall_s", duration) for f in finals.values())
+    per_min = [len(outer[n]) / (wall / 60) for n in names]
+    dht = [(last[n][0] - first[n][0]) / (last[n][1] - first[n][1]) for n in names
+           if n in last and last[n][1] > first[n][1]]
+    return {"peers": size, "slowdown": slowdown, "duration_s": duration, "start_s": t_trained - t0,
+            "group_size_mean": statistics.mean(groups) if groups else None,
+            "group_size_median": statistics.median(groups) if groups else None,
+            "group_size_max": max(groups, default=None),
+            "rounds_per_min_median": statistics.median(per_min), "rounds_per_min_min": min(per_min),
+            "round_s_median": statistics.median(round_s) if round_s else None,
+            "round_s_p90": round_s[int(0.9 * (len(round_s) - 1))] if round_s else None,
+            "failed_rounds": sum(len(f) for f in failed.values()),
+            "applied_rounds": sum(len(o) for o in outer.values()),
+            "dht_kb_per_peer_round": statistics.median(dht) / 1e3 if dht else None, "exit_codes": exit_codes}
+
+
+def print_swarm(results: list[dict]) -> None:
+    print(f"{'peers':>5} {'group mean':>10} {'max':>4} {'rounds/min':>10} {'min':>5} {'round s':>8} {'p90':>6} "
+          f"{'failed':>6} {'applied':>7} {'DHT kB/peer/round':>18} {'start s':>8}")
+    for r in results:
+        print(f"{r['peers']:>5} {_num(r['group_size_mean'], 1):>10} {_num(r['group_size_max'], 0):>4} "
+              f"{r['rounds_per_min_median']:>10.1f} {r['rounds_per_min_min']:>5.1f} {_num(r['round_s_median'], 2):>8} "
+              f"{_num(r['round_s_p90'], 2):>6} {r['failed_rounds']:>6} {r['applied_rounds']:>7} "
+              f"{_num(r['dht_kb_per_peer_round'], 1):>18} {r['start_s']:>8.0f}")
+
+
+def plot_swarm(results: list[dict], path: Path) -> None:
+    from p2pdiloco.plot import pyplot
+
+    plt = pyplot()
+    n = [r["peers"] for r in results]
+    panels = [("group size (mean)", "group_size_mean"), ("applied rounds / min / peer", "rounds_per_min_median"),
+              ("round time, median (s)", "round_s_median"), ("DHT kB per peer per round", "dht_kb_per_peer_round")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for ax, (title, key) in zip(axes, panels):
+        ax.plot(n, [r[key] if r[key] is not None else float("nan") for r in results], "o-")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(n, [str(v) for v in n])
+        ax.set_xlabel("peers")
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _num(value, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
 def print_join(result: dict) -> None:
     where = f"{result['rate_mbit']:g} Mbit/s per source (netns)" if result["rate_mbit"] else "loopback"
     print(f"{result['size']}: {result['params']:,} parameters, state {result['state_mb']:.0f} MB, "
@@ -287,12 +394,19 @@ def main(argv=None) -> int:
     join.add_argument("--stop", action="store_true", help="one more joiner, SIGTERMed 1 s into its download")
     join.add_argument("--rate-mbit", type=float, default=0.0,
                       help="each source in a network namespace behind this limit (needs root); 0 = loopback")
-    for sub_parser in (peers, join):
+    sweep = sub.add_parser("swarm", help="2..16 paced tiny peers: group sizes, rounds/min, round time, DHT bytes")
+    sweep.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8, 16])
+    sweep.add_argument("--duration", type=float, default=120.0, help="seconds each swarm trains")
+    sweep.add_argument("--slowdown", type=float, default=8.0, help="each peer sleeps (slowdown-1) x its step time")
+    sweep.add_argument("--plot", default="", help="PNG of the four figures against the swarm size")
+    for sub_parser in (peers, join, sweep):
         sub_parser.add_argument("--data", default="", help="corpus file (default: the bundled corpus)")
         sub_parser.add_argument("--out", default="", help="directory for the peers' logs and result.json")
     args = parser.parse_args(argv)
-    if args.mode == "peers" and args.duration <= 0:
+    if args.mode in ("peers", "swarm") and args.duration <= 0:
         parser.error("--duration must be positive")
+    if args.mode == "swarm" and not all(2 <= n <= 32 for n in args.sizes):
+        parser.error("--sizes must be 2..32 peers each")
     if args.mode == "join" and not (1 <= args.sources <= 8 and 1 <= args.repeats <= 10 and args.rate_mbit >= 0):
         parser.error("--sources must be 1..8, --repeats 1..10, --rate-mbit >= 0")
     out = Path(args.out or tempfile.mkdtemp(prefix="p2pdiloco-scale-"))
@@ -300,6 +414,12 @@ def main(argv=None) -> int:
     if args.mode == "peers":
         result = run_peers(args.size, args.duration, out / "peers", args.data)
         print_peers(result)
+    elif args.mode == "swarm":
+        result = [run_swarm(n, args.duration, out / f"swarm-{n}", slowdown=args.slowdown, data=args.data)
+                  for n in args.sizes]
+        print_swarm(result)
+        if args.plot:
+            plot_swarm(result, Path(args.plot))
     else:
         if args.rate_mbit:
             from netns import available

@@ -9,6 +9,7 @@ import hivemind
 import pytest
 import torch
 
+from p2pdiloco import averaging
 from p2pdiloco.averaging import DilocoAverager, RoundRunner
 from p2pdiloco.config import Config
 from p2pdiloco.state import SharedState
@@ -165,10 +166,14 @@ def _merge_round(runners, anchors, momenta, grads, steps, weights):
     return [f.result(timeout=60) for f in futures]
 
 
-def test_members_whose_anchors_differ_merge_them_in_the_round():
+@pytest.mark.parametrize("piece", [None, 7_000])
+def test_members_whose_anchors_differ_merge_them_in_the_round(piece, monkeypatch):
     """Two members stepped apart (outer step 4, different anchors), one is behind (outer step 3):
     the round averages the pseudo-gradients and, in fp32, the anchors and momenta of the two at
-    the newest outer step; every member leaves with them, the one behind included."""
+    the newest outer step; every member leaves with them, the one behind included. piece: the
+    buffer goes to hivemind in many tensors (as an 85M one does), segments straddling them."""
+    if piece:  # set before the averager processes fork: they inherit it
+        monkeypatch.setattr(averaging, "ALLREDUCE_PIECE", piece)
     with merging_peers(3) as (cfg, runners):
         anchors = [torch.randn(N) for _ in range(3)]
         momenta = [torch.randn(N) * 0.1 for _ in range(3)]
