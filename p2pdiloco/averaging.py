@@ -448,6 +448,17 @@ class DilocoAverager(StateSharing, hivemind.DecentralizedAverager):
         self._matchmaking.target_group_size = size
         self._matchmaking.potential_leaders.target_group_size = size
 
+    async def _shutdown(self, timeout: Optional[float]) -> None:
+        """hivemind's, mended: it called finalize() on the futures of its running groups (and
+        gathered finalize's None), so a peer stopped mid-round printed an AttributeError traceback."""
+        if not self.client_mode:
+            await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+        for group in self._running_groups.values():
+            if group.done() and not group.cancelled() and group.exception() is None:
+                group.result().finalize(cancel=True)
+            else:
+                group.cancel()
+
     @property
     def staging(self) -> torch.Tensor:
         """2N values that a state download writes into: the tail of the round buffer, or our own."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import errno
 import logging
 import re
@@ -39,6 +40,7 @@ def start_dht(cfg, *, stop_event: Optional[threading.Event] = None) -> hivemind.
     start in any order); the DHT starts through those that answer. Raises SwarmError (one line:
     which addresses failed and why), or KeyboardInterrupt once stop_event is set."""
     stop_event = stop_event or threading.Event()
+    sweep_stale_sockets()
     if cfg.identity_path:
         Path(cfg.identity_path).parent.mkdir(parents=True, exist_ok=True)
     if not cfg.initial_peers:
@@ -47,6 +49,29 @@ def start_dht(cfg, *, stop_event: Optional[threading.Event] = None) -> hivemind.
         except _StartFailed as e:
             raise SwarmError(f"could not start the DHT on {', '.join(cfg.host_maddrs)}: {e}") from None
     return _bootstrap(cfg, [parse_initial_peer(a) for a in cfg.initial_peers], stop_event)
+
+
+def sweep_stale_sockets(directory: str = "/tmp", min_age_s: float = 60.0) -> int:
+    """Remove the unix sockets of p2pd daemons and clients that died without cleaning up (a
+    SIGKILLed peer leaves three in /tmp; a volunteer's machine would collect thousands over months of
+    crashes). A socket is stale when nothing listens on it; young ones are left alone, in case a
+    daemon starting beside us has bound but not yet listened. Returns how many were removed."""
+    removed = 0
+    now = time.time()
+    for path in Path(directory).glob("hivemind-p2p*.sock"):
+        try:
+            if now - path.lstat().st_mtime < min_age_s or not path.is_socket():
+                continue
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(0.2)
+                probe.connect(str(path))
+        except ConnectionRefusedError:
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed += 1
+        except OSError:  # gone meanwhile, not ours, busy: leave it
+            continue
+    return removed
 
 
 # --------------------------------------------------------------------------- bootstrapping

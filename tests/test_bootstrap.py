@@ -252,3 +252,28 @@ def test_initial_peers_file_joins(live, tmp_path):
         live.wait_for(lambda: live.events("c", "join"), timeout=60, what="c loaded a's state")
     finally:
         stop(live, "c")
+
+
+def test_stale_daemon_sockets_are_swept(tmp_path):
+    """A SIGKILLed peer leaves its p2pd and client sockets behind: the next start removes those that
+    nobody listens on (and are not brand new), and keeps live ones."""
+    import os
+    import socket
+
+    from p2pdiloco.bootstrap import sweep_stale_sockets
+
+    dead, live, young = (tmp_path / f"hivemind-p2pd-{n}.sock" for n in ("dead", "live", "young"))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        for path in (dead, young):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.bind(str(path))
+            s.close()  # the file stays, nobody listens: what a killed daemon leaves
+        listener.bind(str(live))
+        listener.listen(1)
+        for path in (dead, live):
+            os.utime(path, (0, 0))  # old
+        assert sweep_stale_sockets(str(tmp_path)) == 1
+        assert not dead.exists() and live.exists() and young.exists()
+    finally:
+        listener.close()

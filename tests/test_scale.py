@@ -60,3 +60,31 @@ def test_a_source_leaves_mid_download_and_a_stop_interrupts_one(tmp_path, corpus
     stopped = r["stopped"]
     assert not stopped["joined_first"], r  # the SIGTERM came while it downloaded ...
     assert stopped["exit_s"] <= 10 and stopped["exit_code"] == 0 and not stopped["traceback"], r  # ... and was honoured
+
+
+@pytest.mark.timeout(400)
+def test_swarm_sizes_are_measured(tmp_path, corpus):
+    results = [scale.run_swarm(n, 25, tmp_path / f"swarm-{n}", slowdown=4, data=str(corpus)) for n in (2, 4)]
+    for r in results:
+        assert r["applied_rounds"] > 0 and r["group_size_max"] >= 2, r
+        assert r["dht_kb_per_peer_round"] is not None and r["dht_kb_per_peer_round"] > 0, r
+        assert all(code == 0 for name, code in r["exit_codes"].items() if name != "boot"), r
+    scale.print_swarm(results)
+    scale.plot_swarm(results, tmp_path / "swarm.png")
+    assert (tmp_path / "swarm.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(300)
+def test_soak_samples_every_process_under_churn(tmp_path, corpus):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "soak.py"), "--duration", "45", "--sample-every",
+                           "3", "--fault-every", "15", "--warmup", "5", "--min-span", "10", "--data", str(corpus),
+                           "--workdir", str(tmp_path / "soak"), "--plot", str(tmp_path / "soak.png")],
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "soak" / "soak.json").read_text())
+    assert result["faults"] >= 1 and result["longest_stall_s"] is not None, result["chaos"]
+    roles = {p["role"] for p in result["processes"]}
+    assert roles == {"trainer", "averager", "dht", "p2pd"}, result["processes"]
+    assert all(p["fds_last"] > 0 for p in result["processes"])
+    assert result["tmp_counts"] and (tmp_path / "soak.png").stat().st_size > 0
+    assert "worst slope" in proc.stdout
