@@ -30,11 +30,12 @@ def pseudo_grad(anchor: torch.Tensor, snapshot: torch.Tensor) -> torch.Tensor:
 
 
 def outer_step_(anchor: torch.Tensor, momentum: torch.Tensor, avg_pseudo_grad: torch.Tensor, *,
-                outer_lr: float, outer_momentum: float) -> None:
-    """One Nesterov SGD step on the anchor, in place (same as torch.optim.SGD(nesterov=True))."""
-    momentum.mul_(outer_momentum).add_(avg_pseudo_grad)
-    # anchor -= outer_lr * (avg_pseudo_grad + outer_momentum * momentum), without a temporary of the model's size
-    anchor.sub_(avg_pseudo_grad, alpha=outer_lr).sub_(momentum, alpha=outer_lr * outer_momentum)
+                outer_lr: float, outer_momentum: float, scale: float = 1.0) -> None:
+    """One Nesterov SGD step on the anchor with scale * avg_pseudo_grad, in place (same as
+    torch.optim.SGD(nesterov=True)); no temporary of the model's size."""
+    momentum.mul_(outer_momentum).add_(avg_pseudo_grad, alpha=scale)
+    # anchor -= outer_lr * (scale * avg_pseudo_grad + outer_momentum * momentum)
+    anchor.sub_(avg_pseudo_grad, alpha=outer_lr * scale).sub_(momentum, alpha=outer_lr * outer_momentum)
 
 
 def group_share(swarm_views: list) -> float:

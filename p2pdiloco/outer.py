@@ -256,8 +256,8 @@ class SwarmRounds:
                     diloco.outer_step_(self.anchor, self.momentum, contribution * len(members),
                                        outer_lr=self.cfg.outer_lr, outer_momentum=self.cfg.outer_momentum)
             else:
-                diloco.outer_step_(self.anchor, self.momentum, outcome.average * share, outer_lr=self.cfg.outer_lr,
-                                   outer_momentum=self.cfg.outer_momentum)
+                diloco.outer_step_(self.anchor, self.momentum, outcome.average, scale=share,
+                                   outer_lr=self.cfg.outer_lr, outer_momentum=self.cfg.outer_momentum)
             self.outer_step = max(m["outer_step"] for m in members) + 1
         self._place_progress()  # diloco.merge_local, parameter by parameter
         self._params_changed = True

@@ -279,7 +279,7 @@ def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, dat
             for name in names:
                 pid = peer_roles(swarm.peers[name].pgid).get("dht")
                 if pid and swarm.peers[name].proc.poll() is None:
-                    seen = (_io_bytes(pid), len(swarm.events(name, "outer")))
+                    seen = (_io_bytes(pid), len(swarm.events(name, "outer")), time.monotonic())
                     first.setdefault(name, seen)
                     last[name] = seen
             time.sleep(5.0)
@@ -293,6 +293,8 @@ def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, dat
     per_min = [len(outer[n]) / (wall / 60) for n in names]
     dht = [(last[n][0] - first[n][0]) / (last[n][1] - first[n][1]) for n in names
            if n in last and last[n][1] > first[n][1]]
+    dht_min = [(last[n][0] - first[n][0]) / ((last[n][2] - first[n][2]) / 60) for n in names
+               if n in last and last[n][2] > first[n][2]]
     return {"peers": size, "slowdown": slowdown, "duration_s": duration, "start_s": t_trained - t0,
             "group_size_mean": statistics.mean(groups) if groups else None,
             "group_size_median": statistics.median(groups) if groups else None,
@@ -302,17 +304,19 @@ def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, dat
             "round_s_p90": round_s[int(0.9 * (len(round_s) - 1))] if round_s else None,
             "failed_rounds": sum(len(f) for f in failed.values()),
             "applied_rounds": sum(len(o) for o in outer.values()),
-            "dht_kb_per_peer_round": statistics.median(dht) / 1e3 if dht else None, "exit_codes": exit_codes}
+            "dht_kb_per_peer_round": statistics.median(dht) / 1e3 if dht else None,
+            "dht_kb_per_peer_min": statistics.median(dht_min) / 1e3 if dht_min else None, "exit_codes": exit_codes}
 
 
 def print_swarm(results: list[dict]) -> None:
     print(f"{'peers':>5} {'group mean':>10} {'max':>4} {'rounds/min':>10} {'min':>5} {'round s':>8} {'p90':>6} "
-          f"{'failed':>6} {'applied':>7} {'DHT kB/peer/round':>18} {'start s':>8}")
+          f"{'failed':>6} {'applied':>7} {'DHT kB/peer/round':>18} {'/min':>7} {'start s':>8}")
     for r in results:
         print(f"{r['peers']:>5} {_num(r['group_size_mean'], 1):>10} {_num(r['group_size_max'], 0):>4} "
               f"{r['rounds_per_min_median']:>10.1f} {r['rounds_per_min_min']:>5.1f} {_num(r['round_s_median'], 2):>8} "
               f"{_num(r['round_s_p90'], 2):>6} {r['failed_rounds']:>6} {r['applied_rounds']:>7} "
-              f"{_num(r['dht_kb_per_peer_round'], 1):>18} {r['start_s']:>8.0f}")
+              f"{_num(r['dht_kb_per_peer_round'], 1):>18} {_num(r.get('dht_kb_per_peer_min'), 0):>7} "
+              f"{r['start_s']:>8.0f}")
 
 
 def plot_swarm(results: list[dict], path: Path) -> None:

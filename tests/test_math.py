@@ -592,3 +592,13 @@ def test_a_round_in_flight_keeps_only_its_pseudo_gradient(eager):
         else:
             loop._undo_preview(pending)
             assert_close(flat_params(loop.model), diloco.merge_local(snapshot, local, base), rtol=0, atol=1e-6)
+
+
+def test_outer_step_scale_is_a_scaled_pseudo_gradient():
+    torch.manual_seed(1)
+    anchor, momentum, g = torch.randn(100), torch.randn(100), torch.randn(100)
+    a1, m1, a2, m2 = anchor.clone(), momentum.clone(), anchor.clone(), momentum.clone()
+    diloco.outer_step_(a1, m1, g * 0.4, outer_lr=0.7, outer_momentum=0.9)
+    diloco.outer_step_(a2, m2, g, scale=0.4, outer_lr=0.7, outer_momentum=0.9)
+    assert_close(a1, a2, rtol=0, atol=1e-6)
+    assert_close(m1, m2, rtol=0, atol=1e-6)
