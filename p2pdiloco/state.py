@@ -185,7 +185,8 @@ class StateSharing:
         yield averaging_pb2.DownloadData(metadata=self.serializer.dumps(header))
         view = memoryview(data)
         for offset in range(0, len(data), MESSAGE_BYTES):
-            yield averaging_pb2.DownloadData(tensor_part=runtime_pb2.Tensor(buffer=bytes(view[offset:offset + MESSAGE_BYTES])))
+            part = runtime_pb2.Tensor(buffer=bytes(view[offset:offset + MESSAGE_BYTES]))
+            yield averaging_pb2.DownloadData(tensor_part=part)
 
     # ------------------------------------------------------------------ fetching (host process)
 

@@ -14,7 +14,9 @@ only.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
+from typing import Callable
 
 from p2pdiloco.localswarm import group_members
 
@@ -83,3 +85,30 @@ def sample(roles: dict[str, int]) -> dict[str, dict]:
         if memory:
             out[role] = {**memory, "fds": open_fds(pid), "pid": pid}
     return out
+
+
+class Every:
+    """Calls take() every `every` seconds in a daemon thread, until the with block ends.
+
+        >>> with Every(lambda: samples.append(sample(peer_roles(pgid))), 60.0):
+        ...     run_the_swarm()
+    """
+
+    def __init__(self, take: Callable[[], None], every: float, *, first_at_once: bool = False):
+        self.take, self.every, self.first_at_once = take, every, first_at_once
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="sampler", daemon=True)
+
+    def __enter__(self) -> "Every":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        if self.first_at_once:
+            self.take()
+        while not self._stop.wait(self.every):
+            self.take()

@@ -34,7 +34,6 @@ import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -45,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from procmem import peer_roles, sample  # noqa: E402
+from procmem import Every, peer_roles, sample  # noqa: E402
 
 from p2pdiloco.config import Config  # noqa: E402
 from p2pdiloco.localswarm import LocalSwarm  # noqa: E402
@@ -81,29 +80,12 @@ def model_params(preset: str, overrides: Optional[dict] = None) -> int:
         return num_params(build_model(cfg))
 
 
-class Sampler:
-    """Samples the memory of every peer's processes every `every` seconds in a thread."""
-
-    def __init__(self, swarm: LocalSwarm, every: float = 2.0):
-        self.swarm, self.every = swarm, every
-        self.samples: list[dict] = []  # {"time", "peer", role: {...}}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="memory-sampler", daemon=True)
-
-    def __enter__(self) -> "Sampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.every):
-            now = time.time()
-            for name, peer in list(self.swarm.peers.items()):
-                if peer.proc.poll() is None:
-                    self.samples.append({"time": now, "peer": name, **sample(peer_roles(peer.pgid))})
+def sample_peers(swarm: LocalSwarm, samples: list) -> None:
+    """One sample of the memory of every live peer's processes: {"time", "peer", role: {...}}."""
+    now = time.time()
+    for name, peer in list(swarm.peers.items()):
+        if peer.proc.poll() is None:
+            samples.append({"time": now, "peer": name, **sample(peer_roles(peer.pgid))})
 
 
 def memory_table(samples: list[dict], since: dict[str, float]) -> dict:
@@ -129,7 +111,9 @@ def run_peers(size: str, duration: float, workdir: Path, data: str = "") -> dict
         flags = [*flags, "--data", data]
     numel = model_params(preset)
     round_bound = 180.0 if size == "real" else 30.0
-    with LocalSwarm(workdir, config=preset, extra_args=flags) as swarm, Sampler(swarm) as sampler:
+    samples: list[dict] = []
+    with LocalSwarm(workdir, config=preset, extra_args=flags) as swarm, \
+            Every(lambda: sample_peers(swarm, samples), 2.0):
         t0 = time.time()
         swarm.start("a")
         swarm.start("b", join="a")
@@ -146,7 +130,7 @@ def run_peers(size: str, duration: float, workdir: Path, data: str = "") -> dict
         c_rounds = [r for r in swarm.events("c", "outer")]
     round_s = sorted(r["round_s"] for r in rounds)
     steady_since = {"a": t_founded, "b": t_founded, "c": joined["time"] + 10}
-    memory = memory_table(sampler.samples, steady_since)
+    memory = memory_table(samples, steady_since)
     target_mb = (TARGET_BYTES_PER_PARAM * numel) / 1e6 + TARGET_FIXED_MB
     return {
         "size": size, "params": numel, "duration_s": duration, "founding_s": t_founded - t0,
@@ -160,7 +144,7 @@ def run_peers(size: str, duration: float, workdir: Path, data: str = "") -> dict
         "memory": memory, "target_mb_per_peer": target_mb,
         "bytes_per_param_beyond_16": {n: (m["total"]["peak_mb"] * 1e6 - 16 * numel) / numel
                                       for n, m in memory.items() if m["total"]["peak_mb"]},
-        "exit_codes": exit_codes, "samples": sampler.samples,
+        "exit_codes": exit_codes, "samples": samples,
     }
 
 

@@ -20,7 +20,6 @@ import argparse
 import json
 import random
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import chaos  # noqa: E402
-from procmem import peer_roles, sample  # noqa: E402
+from procmem import Every, peer_roles, sample  # noqa: E402
 
 from p2pdiloco.localswarm import LocalSwarm  # noqa: E402
 
@@ -42,33 +41,22 @@ def tmp_entries() -> set[str]:
             or p.suffix == ".sock" or p.is_socket()}
 
 
-class Sampler:
-    def __init__(self, swarm: LocalSwarm, every: float):
-        self.swarm, self.every = swarm, every
+class Samples:
+    """Every process of every live peer (PSS, fds) and the /tmp entries, one call at a time."""
+
+    def __init__(self, swarm: LocalSwarm):
+        self.swarm = swarm
         self.samples: list[dict] = []  # {"t", "peer", "role", "pid", "pss_mb", "fds"}
         self.tmp: list[tuple[float, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="soak-sampler", daemon=True)
 
-    def __enter__(self) -> "Sampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
-
-    def _loop(self) -> None:
-        while True:
-            now = time.time()
-            for name, peer in list(self.swarm.peers.items()):
-                if peer.proc.poll() is None:
-                    for role, values in sample(peer_roles(peer.pgid)).items():
-                        self.samples.append({"t": now, "peer": name, "role": role, "pid": values["pid"],
-                                             "pss_mb": values["pss_mb"], "fds": values["fds"]})
-            self.tmp.append((now, len(tmp_entries())))
-            if self._stop.wait(self.every):
-                return
+    def take(self) -> None:
+        now = time.time()
+        for name, peer in list(self.swarm.peers.items()):
+            if peer.proc.poll() is None:
+                for role, values in sample(peer_roles(peer.pgid)).items():
+                    self.samples.append({"t": now, "peer": name, "role": role, "pid": values["pid"],
+                                         "pss_mb": values["pss_mb"], "fds": values["fds"]})
+        self.tmp.append((now, len(tmp_entries())))
 
 
 def slope_mb_per_h(points: list[tuple[float, float]]) -> float:
@@ -142,7 +130,7 @@ def main(argv=None) -> int:
     tmp_before = tmp_entries()
     record = chaos.RunRecord(workdir=workdir)
     with LocalSwarm(workdir, config=str(ROOT / "peers" / "tiny-cpu.toml")) as swarm, \
-            Sampler(swarm, args.sample_every) as sampler:
+            Every((sampler := Samples(swarm)).take, args.sample_every, first_at_once=True):
         runner = chaos.Runner(swarm, record, rng=random.Random(args.seed), peers=args.peers,
                               duration=args.duration, fault_every=args.fault_every, print_every=300.0,
                               label="soak", chaos=True,
