@@ -143,6 +143,13 @@ def validate_state(metadata, tensors, cfg, numel: int) -> OuterState:
     return OuterState(outer_step=outer_step, anchor=anchor, momentum=momentum)
 
 
+def _valid_digest(digest, size: int) -> bool:
+    """A header's anchor digest as ours would be: `size` finite floats (anything else from a peer
+    would break the comparison of sources, and the peer is simply not used)."""
+    return (isinstance(digest, list) and len(digest) == size
+            and all(isinstance(v, float) and math.isfinite(v) for v in digest))
+
+
 class _SourceGone(Exception):
     """A source failed, or its state is no longer the one we fetch: its chunks go to the others."""
 
@@ -285,9 +292,10 @@ class StateSharing:
                 return None
 
         answers = await asyncio.gather(*(ask(p) for p in peers))
+        size = len(diloco.digest_indices(self.staging.numel() // 2))
         return {str(p): h for p, h in zip(peers, answers) if isinstance(h, dict) and "moved" not in h
                 and isinstance(h.get("outer_step"), int) and isinstance(h.get("state_id"), int)
-                and isinstance(h.get("digest"), list)}
+                and _valid_digest(h.get("digest"), size)}
 
     async def _fetch_chunks(self, sources: dict[str, int], chunks: collections.deque, chunk: int,
                             done: set, received: collections.Counter) -> None:

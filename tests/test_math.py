@@ -602,3 +602,11 @@ def test_outer_step_scale_is_a_scaled_pseudo_gradient():
     diloco.outer_step_(a2, m2, g, scale=0.4, outer_lr=0.7, outer_momentum=0.9)
     assert_close(a1, a2, rtol=0, atol=1e-6)
     assert_close(m1, m2, rtol=0, atol=1e-6)
+
+
+def test_a_state_header_with_a_malformed_digest_is_not_a_source():
+    from p2pdiloco.state import _valid_digest
+
+    assert _valid_digest([0.5, -1.0, 0.0], 3)
+    for bad in ([0.5, float("nan"), 0.0], [0.5, 1.0], [1, 2, 3], "abc", None, [0.5, "x", 0.0]):
+        assert not _valid_digest(bad, 3), bad
