@@ -598,8 +598,8 @@ class RoundRunner:
         gather must then carry this member's anchor `digest` and `outer_step`).
         on_allreduce is called (from that thread) once the group is formed and the all-reduce begins."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        # the thread drops these once they are in the averager's buffer: the caller's pseudo-gradient
-        # is not kept alive for the whole round (4 bytes per parameter)
+        # the thread drops these once they are in the averager's buffer: it keeps no tensor of the
+        # model's size alive for the whole round (the caller decides what it keeps)
         payload = [pseudo_grad, (anchor, momentum) if self.averager.merge_size else None]
 
         def target() -> None:
