@@ -64,7 +64,7 @@ def test_a_source_leaves_mid_download_and_a_stop_interrupts_one(tmp_path, corpus
 
 @pytest.mark.timeout(400)
 def test_swarm_sizes_are_measured(tmp_path, corpus):
-    results = [scale.run_swarm(n, 25, tmp_path / f"swarm-{n}", slowdown=4, data=str(corpus)) for n in (2, 4)]
+    results = [scale.run_swarm(3, 15, tmp_path / "swarm-3", slowdown=4, data=str(corpus))]
     for r in results:
         assert r["applied_rounds"] > 0 and r["group_size_max"] >= 2, r
         assert r["dht_kb_per_peer_round"] is not None and r["dht_kb_per_peer_round"] > 0, r
@@ -76,8 +76,8 @@ def test_swarm_sizes_are_measured(tmp_path, corpus):
 
 @pytest.mark.timeout(300)
 def test_soak_samples_every_process_under_churn(tmp_path, corpus):
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "soak.py"), "--duration", "45", "--sample-every",
-                           "3", "--fault-every", "15", "--warmup", "5", "--min-span", "10", "--data", str(corpus),
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "soak.py"), "--duration", "30", "--sample-every",
+                           "3", "--fault-every", "10", "--warmup", "5", "--min-span", "10", "--data", str(corpus),
                            "--workdir", str(tmp_path / "soak"), "--plot", str(tmp_path / "soak.png")],
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
