@@ -55,7 +55,8 @@ class Samples:
             if peer.proc.poll() is None:
                 for role, values in sample(peer_roles(peer.pgid)).items():
                     self.samples.append({"t": now, "peer": name, "role": role, "pid": values["pid"],
-                                         "pss_mb": values["pss_mb"], "fds": values["fds"]})
+                                         "pss_mb": values["pss_mb"], "uss_mb": values["uss_mb"],
+                                         "fds": values["fds"]})
         self.tmp.append((now, len(tmp_entries())))
 
 
@@ -81,6 +82,9 @@ def per_process(samples: list[dict], *, warmup: float, min_span: float) -> list[
                     "span_min": (late[-1]["t"] - late[0]["t"]) / 60, "pss_mb_first": late[0]["pss_mb"],
                     "pss_mb_last": late[-1]["pss_mb"],
                     "slope_mb_per_h": slope_mb_per_h([(r["t"], r["pss_mb"]) for r in late]),
+                    # private pages only: PSS also moves when other processes that share its libraries
+                    # start or die (their pages are split among more or fewer), which churn does all along
+                    "uss_slope_mb_per_h": slope_mb_per_h([(r["t"], r.get("uss_mb", 0.0)) for r in late]),
                     "fds_first": late[0]["fds"], "fds_last": late[-1]["fds"],
                     "fds_max": max(r["fds"] for r in late)})
     return sorted(out, key=lambda r: (r["peer"], r["role"], r["pid"]))
@@ -146,21 +150,26 @@ def main(argv=None) -> int:
     stats = chaos.analyze(record)
     processes = per_process(sampler.samples, warmup=args.warmup, min_span=args.min_span)
     worst = max((p["slope_mb_per_h"] for p in processes), default=None)
+    worst_uss = max((p["uss_slope_mb_per_h"] for p in processes), default=None)
     fd_growth = max((p["fds_last"] - p["fds_first"] for p in processes), default=None)
     result = {"args": vars(args), "faults": len(record.faults), "longest_stall_s": stats.get("longest_stall_s"),
-              "processes": processes, "worst_slope_mb_per_h": worst, "worst_fd_growth": fd_growth,
+              "processes": processes, "worst_slope_mb_per_h": worst, "worst_uss_slope_mb_per_h": worst_uss,
+              "worst_fd_growth": fd_growth,
               "tmp_left_behind": sorted(tmp_after - tmp_before), "tmp_counts": sampler.tmp,
               "chaos": {k: v for k, v in stats.items() if not isinstance(v, (list, dict))},
               "samples": sampler.samples}
     (workdir / "soak.json").write_text(json.dumps(result, indent=1, default=str))
     if args.plot and sampler.samples:
         plot(sampler.samples, Path(args.plot))
-    print(f"{'peer':5} {'role':9} {'pid':>8} {'minutes':>8} {'PSS first':>10} {'last':>8} {'MB/h':>8} {'fds':>9}")
+    print(f"{'peer':5} {'role':9} {'pid':>8} {'minutes':>8} {'PSS first':>10} {'last':>8} {'MB/h':>8} "
+          f"{'USS MB/h':>9} {'fds':>9}")
     for p in processes:
         print(f"{p['peer']:5} {p['role']:9} {p['pid']:>8} {p['span_min']:>8.0f} {p['pss_mb_first']:>10.1f} "
-              f"{p['pss_mb_last']:>8.1f} {p['slope_mb_per_h']:>8.2f} {p['fds_first']:>4}->{p['fds_last']:<4}")
+              f"{p['pss_mb_last']:>8.1f} {p['slope_mb_per_h']:>8.2f} {p['uss_slope_mb_per_h']:>9.2f} "
+              f"{p['fds_first']:>4}->{p['fds_last']:<4}")
     print(f"faults {len(record.faults)}; longest stall {result['longest_stall_s']} s; "
           f"processes fitted {len(processes)}; worst slope {worst if worst is None else round(worst, 2)} MB/h "
+          f"(USS {worst_uss if worst_uss is None else round(worst_uss, 2)}) "
           f"(target <= {TARGET_SLOPE_MB_PER_H}); worst fd growth {fd_growth}; "
           f"/tmp entries left behind: {len(result['tmp_left_behind'])}")
     return 0
