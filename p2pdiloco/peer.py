@@ -55,6 +55,17 @@ def fixed_mmap_threshold(nbytes: int = 1 << 20) -> None:
         logger.debug(f"mallopt unavailable: {e!r}")
 
 
+def model_size(cfg) -> int:
+    """The number of parameters of the config's model, built on the meta device (no memory); a
+    model whose init needs real values (some Hugging Face ones call .item()) is built on the CPU."""
+    try:
+        with torch.device("meta"):
+            return num_params(build_model(cfg))
+    except (RuntimeError, NotImplementedError, ValueError) as e:
+        logger.debug(f"meta-device build failed ({e!r}); building on the CPU for the size")
+        return num_params(build_model(cfg))
+
+
 class Peer(SwarmRounds):
     def __init__(self, cfg, *, quiet: bool = False, stop_event: Optional[threading.Event] = None,
                  model: Optional[torch.nn.Module] = None, inner_opt: Optional[torch.optim.Optimizer] = None,
@@ -106,8 +117,7 @@ class Peer(SwarmRounds):
         own_model = self.model is None
         if own_model:
             self.device = self.ranks.pick_device(cfg.device) if self.ranks else pick_device(cfg.device)
-            with torch.device("meta"):  # the size only: no memory
-                self.numel = num_params(build_model(cfg))
+            self.numel = model_size(cfg)
         else:
             self.device = next(self.model.parameters()).device
             self.numel = num_params(self.model)
@@ -116,6 +126,8 @@ class Peer(SwarmRounds):
             self.ranks.init(self.device)
         if cfg.checkpoint_dir and self.leader:
             checkpoint.ensure_writable(cfg.checkpoint_dir)
+        if own_model:  # a bad data path is a one-line error before anything starts; read-only pages
+            self.data = load_data(cfg, progress=self._progress)  # stay shared with the forked children
         # anchor | momentum in shared memory, before the averager forks: it serves them to joiners
         self.shared = state.SharedState(self.numel, shared=self.leader)
         if self.leader:
@@ -167,7 +179,6 @@ class Peer(SwarmRounds):
                 self._progress(f"p2pdiloco: resuming from {path} (outer step {self.resume['outer_step']})")
         self.eval_set = self.eval_model = None
         if own_model:
-            self.data = load_data(cfg, progress=self._progress)
             torch.manual_seed(cfg.seed)  # every peer starts from the same init
             self.model = build_model(cfg).to(self.device)
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.inner_lr, weight_decay=cfg.weight_decay,
