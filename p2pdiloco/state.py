@@ -256,8 +256,7 @@ class StateSharing:
             if len(done) == math.ceil(total / chunk):
                 return {"ok": True, "outer_step": newest, "seconds": time.monotonic() - t0,
                         "sources": sorted(received), "bytes": dict(received),
-                        "metadata": {"outer_step": newest, "fingerprint": self._cfg.fingerprint(),
-                                     "run_id": self._cfg.run_id}}
+                        "metadata": make_metadata(self._cfg, newest)}
             reason = "every source left or moved on during the download"
             await asyncio.sleep(0.5)
         return {"ok": False, "reason": "cancelled"}
@@ -350,15 +349,6 @@ class StateSharing:
         if header is None or offset != stop:
             raise _SourceGone(f"stream ended after {offset - start} of {stop - start} values")
         return header, (stop - start) * 4
-
-
-def best_shared_outer_step(dht, cfg) -> float:
-    """The highest outer step that a peer currently offers for download (-1 if none)."""
-    found = dht.get(f"{cfg.dht_prefix}.all_averagers", latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return -1.0
-    steps = [v.value for v in found.value.values() if isinstance(v.value, (int, float))]
-    return max(steps, default=-1.0)
 
 
 def download_state(averager, cfg, numel: int, *, timeout: float, min_outer_step: int = 0, progress=None,
