@@ -129,7 +129,8 @@ def run_peers(size: str, duration: float, workdir: Path, data: str = "") -> dict
         resyncs = [r for n in "abc" for r in swarm.events(n, "resync")]
         c_rounds = [r for r in swarm.events("c", "outer")]
     round_s = sorted(r["round_s"] for r in rounds)
-    steady_since = {"a": t_founded, "b": t_founded, "c": joined["time"] + 10}
+    # the joiner settles 10 s after its download (less in a short run, which must still see steady samples)
+    steady_since = {"a": t_founded, "b": t_founded, "c": joined["time"] + min(10.0, duration / 2)}
     memory = memory_table(samples, steady_since)
     target_mb = (TARGET_BYTES_PER_PARAM * numel) / 1e6 + TARGET_FIXED_MB
     return {
