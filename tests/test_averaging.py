@@ -223,3 +223,33 @@ def test_poisoned_anchor_is_excluded_from_the_merge(poison):
         torch.testing.assert_close(o.anchor, (anchors[0] + anchors[1]) / 2, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(o.average, (grads[0] + grads[1]) / 2, atol=1e-6, rtol=1e-5)
     assert not outcomes[2].ok and "rejected" in outcomes[2].reason
+
+
+def test_parts_land_in_place_as_they_arrive():
+    """InPlaceParts: a later reducer's parts are written at once, not queued behind an earlier one's,
+    and a tensor is yielded only when all of its parts are in."""
+    import asyncio
+
+    first, second = torch.zeros(10), torch.zeros(6)
+    container = averaging.TensorPartContainer([first, second], (0.5, 0.5), part_size_bytes=12)  # 3 values a part
+    container.__class__ = averaging.InPlaceParts
+    container.alpha = 0.5
+    parts = [[part for part, _ in peer] for peer in container._input_parts_by_peer]
+    assert [len(p) for p in parts] == [3, 3], parts  # peer 0: first[0:9]; peer 1: first[9:10], second
+
+    async def scenario():
+        outputs = container.iterate_output_tensors()
+        for index, part in enumerate(parts[1]):  # the second reducer answers first
+            container.register_processed_part(1, index, torch.full_like(part, 2.0))
+        assert second.eq(1.0).all() and first[9] == 1.0 and first[:9].eq(0).all()  # in place, at alpha 0.5
+        pending = asyncio.ensure_future(outputs.__anext__())
+        await asyncio.sleep(0.01)
+        assert not pending.done()  # `first` still waits on peer 0's parts
+        for index, part in enumerate(parts[0]):
+            container.register_processed_part(0, index, torch.full_like(part, 4.0))
+        assert (await pending) is first and first[:9].eq(2.0).all()
+        assert (await outputs.__anext__()) is second
+        with pytest.raises(ValueError):
+            container.register_processed_part(0, 0, torch.zeros(3))  # out of order: refused
+
+    asyncio.run(scenario())
