@@ -147,7 +147,10 @@ class SwarmRounds:
             except Exception as e:  # a failed read only delays the staleness check
                 logger.debug(f"progress read failed: {e!r}")
             self._progress_reading = None
-        if self._progress_reading is None:
+        now = time.monotonic()  # called every log interval; a big swarm's records are read less often
+        if (self._progress_reading is None
+                and now - self._progress_read_at >= 0.9 * swarm.progress_read_every(self.cfg, self.swarm_size)):
+            self._progress_read_at = now
             self._progress_reading = self.dht.get(f"{self.cfg.dht_prefix}_progress", latest=True,
                                                   return_future=True)
 

@@ -79,7 +79,7 @@ class Peer(SwarmRounds):
         self.inner_step = 0
         self.dht = self.averager = self.rounds = self.metrics = None
         self.pending = None
-        self._progress_reading = None
+        self._progress_reading, self._progress_read_at = None, -math.inf
         self.model, self.opt, self.eval_fn = model, inner_opt, eval_fn
         self.handle_signals = handle_signals
         # torchrun: DDP inside this peer, rank 0 talks to the swarm (a caller's own model brings its own)

