@@ -398,6 +398,8 @@ def main(argv=None) -> int:
         parser.error("--sizes must be 2..32 peers each")
     if args.mode == "join" and not (1 <= args.sources <= 8 and 1 <= args.repeats <= 10 and args.rate_mbit >= 0):
         parser.error("--sources must be 1..8, --repeats 1..10, --rate-mbit >= 0")
+    from chaos import _terminate
+    signal.signal(signal.SIGTERM, _terminate)  # SIGTERM unwinds through the finallys that stop the peers
     out = Path(args.out or tempfile.mkdtemp(prefix="p2pdiloco-scale-"))
     out.mkdir(parents=True, exist_ok=True)
     if args.mode == "peers":

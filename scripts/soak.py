@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -127,6 +128,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.peers < 2 or min(args.duration, args.fault_every, args.sample_every) <= 0:
         parser.error("--peers must be >= 2; --duration, --fault-every, --sample-every positive")
+    signal.signal(signal.SIGTERM, chaos._terminate)  # SIGTERM unwinds through the finallys that stop the peers
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     flags = chaos.detect_peer_flags()
