@@ -239,10 +239,10 @@ class InPlaceParts(TensorPartContainer):
                 while taken >= self.num_parts_by_peer[peer_index]:
                     peer_index, taken = peer_index + 1, 0
                 while self._outputs_registered_by_peer[peer_index] <= taken:
-                    self._output_part_available[peer_index].clear()
-                    await self._output_part_available[peer_index].wait()
                     if self.finished.is_set():
                         raise AllreduceException("All-reduce was terminated during iteration")
+                    self._output_part_available[peer_index].clear()
+                    await self._output_part_available[peer_index].wait()
                 taken += 1
             yield tensor
 

@@ -253,3 +253,23 @@ def test_parts_land_in_place_as_they_arrive():
             container.register_processed_part(0, 0, torch.zeros(3))  # out of order: refused
 
     asyncio.run(scenario())
+
+
+def test_in_place_iteration_ends_when_the_round_is_finalized():
+    """A round that fails (finalize) ends the iteration with an error instead of waiting forever."""
+    import asyncio
+
+    container = averaging.TensorPartContainer([torch.zeros(6)], (0.5, 0.5), part_size_bytes=12)
+    container.__class__ = averaging.InPlaceParts
+
+    async def scenario():
+        outputs = container.iterate_output_tensors()
+        pending = asyncio.ensure_future(outputs.__anext__())
+        await asyncio.sleep(0.01)
+        container.finalize()
+        with pytest.raises(averaging.AllreduceException):
+            await asyncio.wait_for(pending, 5.0)
+        container.register_processed_part(0, 0, torch.ones(3))  # after the end: ignored, not written
+        assert container.local_tensors[0].eq(0).all()
+
+    asyncio.run(scenario())
