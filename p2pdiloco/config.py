@@ -103,6 +103,10 @@ class Config:
                                           "progress records), so that every peer is due at the same moment.")
     full_groups: bool = _f(True, "A group forms as soon as every live peer (by their progress records) has "
                                  "joined it, instead of waiting out the matchmaking window.")
+    schedule: bool = _f(True, "Rounds on a schedule: every member of a group leaves it with the same next due "
+                              "time (one period of inner_steps at the group's median speed later) and enters "
+                              "matchmaking then; peers out of phase take the swarm's phase from the progress "
+                              "records (p2pdiloco/schedule.py).")
     matchmaking_lead: bool = _f(False, "With full_groups: enter matchmaking ahead of the inner_steps-th step, by the "
                                        "mean wait for the group's last member (more outer steps per token). "
                                        "Measured worse: groups split more often (docs/benchmarks.md).")

@@ -15,6 +15,8 @@ Per round (see diloco.py for the math, averaging.py for the round itself):
             counts its next inner_steps from the moment the group formed, so the next round
             finds them all ready at once. With `matchmaking_lead` (off: measured worse), it enters
             matchmaking ahead of that by the group's mean wait for its last member.
+    schedule (`schedule`): once a group has formed, the members enter the next round at the due
+            time they all derive from the group's announcements (schedule.py), not by counting steps.
 
 Peer mixes this in; it reads and writes the Peer's state (anchor, momentum, outer_step, model).
 """
@@ -30,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from p2pdiloco import diloco, state, swarm
+from p2pdiloco import diloco, schedule, state, swarm
 from p2pdiloco.averaging import RoundOutcome, contribution_weight
 from p2pdiloco.model import flat_params, load_flat_
 
@@ -84,6 +86,8 @@ def _param_slices(model: torch.nn.Module, flat: torch.Tensor):
 class SwarmRounds:
     """The round half of Peer: _start_round / _finish_round and what they need."""
 
+    clock: Optional[schedule.Clock] = None  # rounds on a schedule (the Peer sets it when it starts training)
+
     def _install(self, loaded: state.OuterState, *, keep_local: bool, tokens_kept: int = 0) -> None:
         """Adopt a downloaded anchor; keep_local keeps the progress made since the last snapshot
         (tokens_kept tokens) and contributes it at once, to land in the same matchmaking window
@@ -134,6 +138,9 @@ class SwarmRounds:
     def _note_progress(self, records: dict) -> None:
         self.swarm_outer_step = max([self.outer_step, *(r.get("outer_step", 0) for r in records.values())])
         self.swarm_size = len(set(records) | {self.peer_id})  # live peers: records expire
+        if self.clock is not None and not self.clock.in_phase and self.clock.adopt(records, now=time.time()):
+            logger.info(f"rounds: took the swarm's phase (next round in {self.clock.due - time.time():.1f}s, "
+                        f"every {self.clock.period:.1f}s)")
         if self.cfg.dynamic_inner_steps and not self.cfg.sync_rounds:
             speeds = {peer: r.get("tokens_per_s") for peer, r in records.items()}
             self.due_steps = diloco.dynamic_inner_steps(self.cfg.inner_steps, speeds.get(self.peer_id),
@@ -185,6 +192,8 @@ class SwarmRounds:
             weight = 0.0
         gather = {"peer": self.peer_id, "outer_step": self.outer_step, "tokens": self.tokens_since_anchor,
                   "digest": digest, "swarm": self.swarm_size, "waited": self.last_wait_s}
+        if self.clock is not None:  # our due time and speed: the group derives its next due time from them
+            gather.update(self.clock.announce(now=time.time(), inner_step=self.inner_step))
         if cfg.full_groups:  # everyone live is expected: the group forms once they are all in
             live = min(cfg.target_group_size, self.swarm_size)
             self.averager.set_target_group_size(live if live >= max(2, cfg.min_group_size) else cfg.target_group_size)
@@ -217,6 +226,12 @@ class SwarmRounds:
 
     def _apply_round(self, pending: PendingRound, outcome: RoundOutcome) -> bool:
         tokens, weight, age = pending.tokens, pending.weight, pending.age
+        if self.clock is not None:  # every member of a formed group leaves it with the same next due time
+            if outcome.members:
+                self.clock.after_round(list(outcome.members.values()),
+                                       full=len(outcome.members) >= self.swarm_size)
+            else:
+                self.clock.after_no_group()
         if outcome.report is not None:
             for peer, why in outcome.report.rejected.items():
                 self.metrics.log("bad_contribution", sender=peer, reason=why, outer_step=self.outer_step)

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
-from p2pdiloco import bootstrap, checkpoint, diloco, reachability, sinks, state, swarm
+from p2pdiloco import bootstrap, checkpoint, diloco, reachability, schedule, sinks, state, swarm
 from p2pdiloco.averaging import DilocoAverager, RoundRunner, quiet_lonely_rounds
 from p2pdiloco.data import load_data
 from p2pdiloco.metrics import Metrics
@@ -352,6 +352,10 @@ class Peer(SwarmRounds):
         self.swarm_size = 1
         self.due_steps = self.cfg.inner_steps  # inner steps per contribution (dynamic_inner_steps scales them)
         self.lead_steps, self.lead_s, self.last_wait_s = 0, 0.0, None  # matchmaking_lead (outer.py)
+        if self.cfg.schedule and not self.cfg.sync_rounds:
+            self.clock = schedule.Clock(inner_steps=self.cfg.inner_steps, now=time.time(), inner_step=self.inner_step)
+            if self.cfg.initial_peers and self.leader:  # a joiner enters the swarm's phase at its first round
+                self._check_swarm_outer_step()
         # eager outer updates need training while a round runs (not synchronous DiLoCo)
         self.eager = self.cfg.eager_outer and not self.cfg.sync_rounds and self.cfg.outer_apply == "group"
         self._progress_reading = None
@@ -413,6 +417,8 @@ class Peer(SwarmRounds):
         # moved on, so look at where it is before contributing anything
         now = time.monotonic()
         if now - self._last_step > cfg.allreduce_timeout:
+            if self.clock is not None:  # our due time passed while we slept: take the swarm's phase
+                self.clock.in_phase = False
             self._check_swarm_outer_step()
         self._last_step = now
         self.inner_step += 1
@@ -430,7 +436,10 @@ class Peer(SwarmRounds):
             applied = self._finish_round(pending)
 
         # --- every inner_steps steps: hand the pseudo-gradient to a background round ----
-        if self.pending is None and self.steps_since_round >= self.due_steps - self.lead_steps:
+        enter = self.clock.should_enter(now=time.time(), inner_step=self.inner_step) if self.clock else None
+        if enter is None:  # no schedule (yet): every inner_steps steps
+            enter = self.steps_since_round >= self.due_steps - self.lead_steps
+        if self.pending is None and enter:
             self.pending = self._start_round()
             if cfg.sync_rounds:
                 applied = self._wait_round_sync(self.t_start) or applied
@@ -499,7 +508,8 @@ class Peer(SwarmRounds):
                 "tokens_per_s": tokens_per_s, "tokens": self.tokens, "device": self.device_name,
                 "maddrs": self.maddrs[:4], "reachability": self.reach.mode,
                 "group_size": self.last_group_size, "rounds_applied": self.rounds_applied,
-                "rounds_failed": self.rounds_failed, "eval_loss": self.last_eval_loss, "time": time.time()}
+                "rounds_failed": self.rounds_failed, "eval_loss": self.last_eval_loss, "time": time.time(),
+                **(self.clock.record() if self.clock else {})}
 
     @torch.no_grad()
     def _evaluate(self) -> Optional[float]:

@@ -84,7 +84,8 @@ def across_seeds(results: dict, comp: str) -> list[str]:
     seeds = max(len(v) for v in per_run.values())
     lines = [f"### {comp}: mean over {seeds} seed(s) [min, max]", "",
              "| run | final eval loss | gap | outer steps/peer | rounds with every live peer | merges | resyncs "
-             "| max eval jump % | anchors agree |", "|---|---|---|---|---|---|---|---|---|"]
+             "| max eval jump % | anchors agree | steps per contribution, median / p90 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, runs in per_run.items():
         evals = [r["final_eval"] for r in runs]
         gap = gaps.get(name)
@@ -98,11 +99,14 @@ def across_seeds(results: dict, comp: str) -> list[str]:
 
         outer = [statistics.mean(p["outer_steps_applied"] for p in r["peers"].values()) for r in swarm]
         agree = [r["anchor_spread"]["agree"] for r in swarm if r.get("anchor_spread", {}).get("agree") is not None]
+        steps = [r["contribution_steps"] for r in swarm if (r.get("contribution_steps") or {}).get("median")]
+        steps_text = (f"{statistics.mean(c['median'] for c in steps):.0f} / "
+                      f"{statistics.mean(c['p90'] for c in steps):.0f}") if steps else "-"
         lines.append(f"| {name} | {statistics.mean(evals):.4f} [{min(evals):.4f}, {max(evals):.4f}] | {gap_text} | "
                      f"{format(statistics.mean(outer), '.1f') if outer else '-'} | "
                      f"{avg('full_group_fraction', '.2f')} | "
                      f"{avg('merges', '.1f')} | {avg('resyncs', '.1f')} | {avg('max_eval_jump_pct', '+.1f')} | "
-                     f"{format(statistics.mean(agree), '.2f') if agree else '-'} |")
+                     f"{format(statistics.mean(agree), '.2f') if agree else '-'} | {steps_text} |")
     return lines + [""]
 
 

@@ -90,7 +90,7 @@ def test_ablation_and_sweep_run_at_quick_size(tmp_path, corpus):
     ablation = comps["ablation"]
     assert set(ablation["runs"]) == {"ddp", "sync_h20", "sync_h40", "none_h20", "all_h20", "none_h40", "all_h40"}
     assert ablation["variants"]["none"] == {"merge_anchors": False, "full_groups": False, "matchmaking_lead": False,
-                                            "eager_outer": False, "dynamic_inner_steps": False}
+                                            "eager_outer": False, "dynamic_inner_steps": False, "schedule": False}
     for name, run in ablation["runs"].items():
         assert math.isfinite(run["final_eval"]) and run["final_eval"] < math.log(256), name
         if name != "ddp":

@@ -1,0 +1,164 @@
+"""Rounds on a schedule: every peer enters matchmaking at the moment the swarm agreed on, with no
+coordinator.
+
+The swarm's rounds are due on a clock. Round k+1 is due one `period` after round k, and the period
+is the time a peer of the group's median speed takes for inner_steps steps:
+
+    period = inner_steps / median(members' speeds)        # speeds in inner steps per second
+    due    = median(members' announced due times) + period
+
+Every member of a formed group computes both from the same announcements (each member's `due`
+and `speed` travel in its matchmaking gather), so all of them leave the round with the same next
+due time and enter the next round together: the group forms at once, instead of when its last
+member happens to arrive, and a contribution holds `speed x period` inner steps (H for a peer of
+median speed; fewer for a slower one, whose pseudo-gradient is weighted by its tokens) instead of
+H plus the wait for the group (docs/benchmarks.md §0: 67-79 steps at H=50). The clock does not
+slip: the next due time follows from the scheduled one, not from when the group formed, and a peer
+whose previous round is still in flight when it is due enters as soon as that round lands.
+
+A peer out of phase (a joiner, a peer woken from a freeze, a member of a group that did not hold
+every live peer, a peer alone in its window) takes the swarm's phase from the progress records,
+where every peer publishes its next due time and period: the phase that most live peers hold (on
+a tie, the one of the smallest peer id), so that two halves of a swarm that drifted apart fall back
+into one.
+
+hivemind.Optimizer schedules the same way from the swarm's published progress
+(`hivemind/optim/progress_tracker.py`: peers publish samples and speed, estimate when the swarm's
+next epoch is due and start matchmaking ahead of it). Due times are wall-clock (`time.time()`),
+like hivemind's `get_dht_time()`: peers' clocks must agree to a fraction of the period (NTP does).
+
+    >>> clock = Clock(inner_steps=50, now=0.0, inner_step=0)
+    >>> clock.should_enter(now=1.0, inner_step=50) is None  # no schedule yet: the trainer counts steps
+    True
+    >>> gather = clock.announce(now=1.0, inner_step=50)   # {"due": 1.0, "speed": 50.0}
+    >>> clock.after_round([gather, {"due": 1.0, "speed": 50.0}], full=True)
+    >>> clock.due, clock.period
+    (2.0, 1.0)
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Optional
+
+PHASE_TOLERANCE = 0.1  # due times closer than this share of the period are one phase
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def agreed(members: list[dict], *, inner_steps: int) -> Optional[tuple[float, float]]:
+    """(next due time, period) from a formed group's announcements; None if nobody announced a
+    usable due time and speed. Medians: one member's odd announcement cannot move the group."""
+    dues = [float(m["due"]) for m in members if _number(m.get("due"))]
+    speeds = [float(m["speed"]) for m in members if _number(m.get("speed")) and m["speed"] > 0]
+    if not dues or not speeds:
+        return None
+    period = inner_steps / statistics.median(speeds)
+    return statistics.median(dues) + period, period
+
+
+def swarm_phase(records: dict, *, now: float, tolerance: float = PHASE_TOLERANCE) -> Optional[tuple[float, float]]:
+    """(next due time >= now, period) of the phase that most live peers hold, from their progress
+    records (peer id -> record with `due` and `period`); None if no record has one. Each record's
+    due time is carried forward by whole periods to the first one after now (records are up to a
+    log interval old); two peers hold the same phase when those times are within tolerance x period
+    of each other, on the circle of one period."""
+    phases = []
+    for peer, record in sorted(records.items()):
+        due, period = record.get("due"), record.get("period")
+        if not (_number(due) and _number(period) and period > 0):
+            continue
+        phases.append((peer, due + max(0, math.ceil((now - due) / period)) * period, period))
+    if not phases:
+        return None
+
+    def holders(phase) -> int:
+        _, due, period = phase
+        count = 0
+        for _, other, _ in phases:
+            gap = (other - due) % period
+            count += min(gap, period - gap) <= tolerance * period
+        return count
+
+    # most holders; on a tie, the smallest peer id (phases are sorted by peer id, max keeps the first)
+    _, due, period = max(phases, key=holders)
+    return due, period
+
+
+class Clock:
+    """One peer's view of the schedule: when to enter matchmaking next.
+
+    The trainer asks `should_enter` after every inner step, puts `announce`'s fields into its round's
+    gather, and tells the clock how each round ended (`after_round` for a formed group,
+    `after_no_group` otherwise). `adopt` takes the swarm's phase from the progress records when this
+    peer may be out of it (`in_phase` False). Before the first formed group there is no schedule.
+    """
+
+    def __init__(self, *, inner_steps: int, now: float, inner_step: int):
+        self.inner_steps = inner_steps  # H: a peer of the group's median speed contributes this many steps
+        self.due: Optional[float] = None      # wall-clock time of our next entry
+        self.period: Optional[float] = None   # seconds between the swarm's rounds
+        self.in_phase = False                 # False: take the swarm's phase at the next progress read
+        self._entered = (now, inner_step)     # our last entry (or the start): the speed is measured from it
+
+    def should_enter(self, *, now: float, inner_step: int) -> Optional[bool]:
+        """Enter matchmaking now? At the due time (half a step early: the step boundary nearest to
+        it). None without a schedule: the trainer enters every inner_steps steps, as without one.
+        A due time missed by more than half a period (a round that ran long, a freeze) moves to the
+        nearest one: rounds that catch up in a burst would each apply a whole outer step to a
+        few steps' pseudo-gradient."""
+        if self.due is None:
+            return None
+        missed = round((now - self.due) / self.period) if self.period else 0
+        if missed >= 1:  # late by over half a period (a round that ran long, a freeze): the nearest due, no burst
+            self.due += missed * self.period
+        speed = self.speed(now=now, inner_step=inner_step)
+        return now >= self.due - (0.5 / speed if speed else 0.0)
+
+    def speed(self, *, now: float, inner_step: int) -> Optional[float]:
+        """Our inner steps per second since our last entry (everything included: rounds, evaluations)."""
+        t0, step0 = self._entered
+        return (inner_step - step0) / (now - t0) if inner_step > step0 and now > t0 else None
+
+    def announce(self, *, now: float, inner_step: int) -> dict:
+        """What our round's gather carries: the due time we entered for (now, without a schedule)
+        and our speed since our last entry. Marks this entry."""
+        speed = self.speed(now=now, inner_step=inner_step)
+        fields = {"due": self.due if self.due is not None else now, "speed": speed}
+        self._entered = (now, inner_step)
+        return fields
+
+    def after_round(self, members: list[dict], *, full: bool) -> None:
+        """A group formed (applied or not): the next due time every member computes alike. A group
+        that did not hold every live peer may have left some out of phase: check the swarm's."""
+        schedule = agreed(members, inner_steps=self.inner_steps)
+        if schedule is not None:
+            self.due, self.period = schedule
+        self.in_phase = full and schedule is not None
+
+    def after_no_group(self) -> None:
+        """Nobody met us: keep our own clock for now, and look at the swarm's phase."""
+        if self.due is not None and self.period is not None:
+            self.due += self.period
+        self.in_phase = False
+
+    def adopt(self, records: dict, *, now: float) -> bool:
+        """Take the phase that most live peers hold (their progress records); True if ours moved."""
+        phase = swarm_phase(records, now=now)
+        if phase is None:
+            return False
+        due, period = phase
+        self.in_phase = True
+        if self.due is not None and self.period is not None:
+            gap = (due - self.due) % period
+            if min(gap, period - gap) <= PHASE_TOLERANCE * period:
+                return False  # already in it
+        self.due, self.period = due, period
+        return True
+
+    def record(self) -> dict:
+        """Our next due time and period, for the progress record (others adopt the phase from it)."""
+        return {"due": self.due, "period": self.period}

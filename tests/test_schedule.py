@@ -1,0 +1,104 @@
+"""Rounds on a schedule (p2pdiloco/schedule.py), the pure math: the due time a group agrees on, the
+swarm's phase from progress records, and one peer's clock through formed, partial and lonely rounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2pdiloco.schedule import Clock, agreed, swarm_phase
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_group_agrees_on_the_median_due_and_speed():
+    members = [{"due": 100.0, "speed": 20.0}, {"due": 100.0, "speed": 25.0}, {"due": 100.4, "speed": 30.0}]
+    due, period = agreed(members, inner_steps=50)
+    assert period == pytest.approx(2.0)       # 50 steps at the median speed, 25/s
+    assert due == pytest.approx(102.0)        # the median due + one period
+    # the order of the announcements does not matter: every member computes the same
+    assert agreed(list(reversed(members)), inner_steps=50) == (due, period)
+
+
+def test_one_odd_announcement_cannot_move_the_schedule():
+    honest = [{"due": 10.0, "speed": 25.0}] * 3
+    odd = {"due": 1e12, "speed": 1e9}
+    assert agreed([*honest, odd], inner_steps=50) == pytest.approx((12.0, 2.0))
+
+
+def test_no_usable_announcement_gives_no_schedule():
+    assert agreed([{"due": None, "speed": None}], inner_steps=50) is None
+    assert agreed([{"due": float("nan"), "speed": 3.0}], inner_steps=50) is None
+    assert agreed([{"due": 1.0, "speed": 0.0}], inner_steps=50) is None
+    assert agreed([{"due": True, "speed": 3.0}], inner_steps=50) is None  # a bool is not a time
+
+
+def test_swarm_phase_is_the_one_most_peers_hold():
+    records = {"a": {"due": 100.0, "period": 2.0}, "b": {"due": 102.05, "period": 2.0},  # same phase, 1 round apart
+               "c": {"due": 101.0, "period": 2.0},                                       # half a period off
+               "d": {"inner_step": 3}}                                                   # no schedule yet
+    due, period = swarm_phase(records, now=103.0)
+    assert period == 2.0
+    assert due == pytest.approx(104.0)        # a's 100 carried forward to the first due after now
+
+
+def test_swarm_phase_tie_goes_to_the_smallest_peer_id():
+    records = {"b": {"due": 100.0, "period": 2.0}, "a": {"due": 101.0, "period": 2.0}}
+    assert swarm_phase(records, now=100.5) == pytest.approx((101.0, 2.0))
+    assert swarm_phase({}, now=0.0) is None
+
+
+def test_phases_compare_on_the_circle():
+    # 99.95 and 100.05 are 0.1 s apart although one is carried to 101.95 and the other to 100.05
+    records = {"a": {"due": 99.95, "period": 2.0}, "b": {"due": 100.05, "period": 2.0},
+               "c": {"due": 101.0, "period": 2.0}}
+    due, _ = swarm_phase(records, now=100.0)
+    assert due in (pytest.approx(100.05), pytest.approx(101.95))
+
+
+def test_clock_through_rounds():
+    clock = Clock(inner_steps=50, now=0.0, inner_step=0)
+    assert clock.should_enter(now=1.0, inner_step=50) is None  # no schedule before a group formed
+    gather = clock.announce(now=2.0, inner_step=50)
+    assert gather == {"due": 2.0, "speed": 25.0}
+    clock.after_round([gather, {"due": 2.2, "speed": 25.0}], full=True)
+    assert (clock.due, clock.period) == pytest.approx((4.1, 2.0)) and clock.in_phase
+    assert not clock.should_enter(now=3.9, inner_step=95)        # 0.2 s early: more than half a step
+    assert clock.should_enter(now=4.09, inner_step=100)          # within half a step (0.02 s at 25/s)
+    gather = clock.announce(now=4.09, inner_step=100)
+    assert gather["due"] == pytest.approx(4.1)                   # the scheduled time, not when we entered
+    # a round that formed late does not move the clock: the next due follows from the scheduled one
+    clock.after_round([gather, {"due": 4.1, "speed": 24.0}], full=True)
+    assert gather["speed"] == pytest.approx(50 / 2.09)           # steps since our last entry, per second
+    assert clock.due == pytest.approx(4.1 + 50 / ((gather["speed"] + 24.0) / 2))
+    # a partial group: keep its schedule, but look at the swarm's phase at the next progress read
+    clock.after_round([{"due": clock.due, "speed": 25.0}] * 2, full=False)
+    assert not clock.in_phase
+
+
+def test_clock_alone_keeps_its_period_and_adopts_the_swarms_phase():
+    clock = Clock(inner_steps=50, now=0.0, inner_step=0)
+    clock.after_round([{"due": 2.0, "speed": 25.0}] * 2, full=True)
+    clock.after_no_group()
+    assert clock.due == pytest.approx(6.0) and not clock.in_phase
+    others = {"x": {"due": 7.0, "period": 2.0}, "y": {"due": 7.0, "period": 2.0}, "me": clock.record()}
+    assert clock.adopt(others, now=6.5)
+    assert clock.due == pytest.approx(7.0) and clock.in_phase
+    assert not clock.adopt(others, now=6.6)  # already in it
+
+
+def test_a_joiner_without_a_schedule_adopts_the_swarms():
+    clock = Clock(inner_steps=50, now=50.0, inner_step=0)
+    assert not clock.adopt({"x": {"due": None}}, now=50.0)
+    assert clock.adopt({"x": {"due": 40.0, "period": 3.0}}, now=50.0)
+    assert clock.due == pytest.approx(52.0) and clock.period == 3.0
+
+
+def test_a_due_time_missed_by_over_half_a_period_moves_to_the_nearest():
+    clock = Clock(inner_steps=50, now=0.0, inner_step=0)
+    clock.after_round([{"due": 2.0, "speed": 25.0}] * 2, full=True)   # due 4.0, every 2.0 s
+    assert clock.should_enter(now=4.9, inner_step=120)                # 0.45 period late: still this round's
+    clock.due = 4.0
+    assert not clock.should_enter(now=5.2, inner_step=130)            # 0.6 late: the next one, at 6.0
+    assert clock.due == pytest.approx(6.0)
+    assert not clock.should_enter(now=11.2, inner_step=260)           # a long freeze: 12.0, no burst
+    assert clock.due == pytest.approx(12.0)
