@@ -23,6 +23,7 @@ and skip.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import shutil
@@ -58,6 +59,7 @@ class Size:
     parallel: int       # runs of one comparison at once (1 = clean timings)
     inner_steps: int    # H (the quality comparison also runs 2H)
     overhead_factor: int = 10  # the overhead comparison runs H and this many times H
+    sweep_grid: tuple = ()  # (outer lr, outer momentum) cells of `sweep`; () = the whole grid below
     pace: float = 1.0   # quality runs: every peer sleeps to this slowdown (sleeping costs no CPU), so that on
                         # a crowded machine a peer's 80 steps still span several rounds of the other's
 
@@ -65,18 +67,19 @@ class Size:
 SIZES = {
     "default": Size(peers=4, steps=1500, duration=150.0, eval_batches=16, parallel=1, inner_steps=50),
     "quick": Size(peers=2, steps=80, duration=20.0, eval_batches=2, parallel=8, inner_steps=20, overhead_factor=3,
-                  pace=3.0),
+                  pace=3.0, sweep_grid=((0.5, 0.9), (1.0, 0.6))),
     # 120 outer steps of synchronous DiLoCo at H=50: long enough that DiLoCo's outer loop, not the budget, decides
     "long": Size(peers=4, steps=6000, duration=600.0, eval_batches=16, parallel=1, inner_steps=50),
 }
 
 # The decoupled swarm's mechanisms (config keys), each switched on and off for `bench.py ablation`:
 # "all" is the defaults, "none" the first version (identical anchors, resync by download on a mismatch).
-MECHANISMS = ("merge_anchors", "full_groups", "matchmaking_lead", "eager_outer", "dynamic_inner_steps")
-DEFAULTS = {"merge_anchors": True, "full_groups": True, "eager_outer": True}
+MECHANISMS = ("merge_anchors", "full_groups", "matchmaking_lead", "eager_outer", "dynamic_inner_steps", "schedule")
+DEFAULTS = {"merge_anchors": True, "full_groups": True, "eager_outer": True, "schedule": True}
 VARIANTS = {
     "none": {},
     "all": DEFAULTS,
+    "no_schedule": {**DEFAULTS, "schedule": False},
     "no_merge": {**DEFAULTS, "merge_anchors": False},
     "no_full": {**DEFAULTS, "full_groups": False},
     "all_lead": {**DEFAULTS, "matchmaking_lead": True},
@@ -231,7 +234,8 @@ class Bench:
         # run ids allow no dots: outer_lr 0.5 and momentum 0.9 name a run "..._lr0p5_m0p9"
         jobs = [(self.swarm, dict(name=f"{mode}_lr{lr:g}_m{mu:g}".replace(".", "p"),
                                   overrides={**base, **extra, "outer_lr": lr, "outer_momentum": mu}))
-                for mode, extra in modes.items() for lr in SWEEP_OUTER_LR for mu in SWEEP_OUTER_MOMENTUM]
+                for mode, extra in modes.items()
+                for lr, mu in self.size.sweep_grid or itertools.product(SWEEP_OUTER_LR, SWEEP_OUTER_MOMENTUM)]
         runs = {r["name"]: r for r in self.many(jobs)}
         best = {mode: min((r for name, r in runs.items() if name.startswith(mode)),
                           key=lambda r: r["final_eval"])["name"] for mode in modes}
@@ -276,6 +280,31 @@ class Bench:
             run["throughput_vs_own_speeds"] = run["swarm_tokens_per_s"] / run["sum_own_tokens_per_s"]
         out["met"] = runs["straggler_decoupled"]["throughput_vs_own_speeds"] >= 0.95
         return out
+
+    def hetero(self) -> dict:
+        """Heterogeneous peers at speeds 1, 1, 0.5 and 0.25 (slowdowns 1, 1, 2, 4), equal wall time:
+        the decoupled swarm (defaults) against synchronous DiLoCo at its tuned outer optimizer. The
+        figure: the decoupled swarm's time to sync's final eval loss over sync's time to it. Sync
+        computes at 4 x 0.25 (everyone waits for the slowest), the swarm at 2.75: 1 / 2.75 = 0.36 is the
+        limit."""
+        n, duration = self.size.peers, self.size.duration
+        base = {**self.common(10**6), "max_time": duration, "target_group_size": n,
+                "total_steps": int(duration * 15), "eval_every": 2}
+        slow = {i: {"slowdown": factor} for i, factor in zip(range(n - 1, -1, -1), (4.0, 2.0))}
+        sync = {"sync_rounds": True, "min_group_size": n, **SYNC_OUTER}
+        runs = {r["name"]: r for r in self.many([
+            (self.swarm, dict(name="hetero_decoupled", overrides=base, per_peer=slow)),
+            (self.swarm, dict(name="hetero_sync", overrides={**base, **sync}, per_peer=slow))])}
+        dec, syn = runs["hetero_decoupled"], runs["hetero_sync"]
+        target = min(syn["eval_curve_losses"] or [math.inf])  # sync's best (its final, as it only falls)
+        t_sync, t_dec = time_to_loss(syn, target), time_to_loss(dec, target)
+        ratio = t_dec / t_sync if t_dec is not None and t_sync else None
+        minutes = range(60, int(duration) + 1, 60)
+        by_minute = {name: [min([loss for _, t, loss in run["curve"] if t <= m] or [None], key=lambda x: x or math.inf)
+                            for m in minutes] for name, run in runs.items()}
+        return {"runs": runs, "target_loss": target, "time_to_target_s": {"sync": t_sync, "decoupled": t_dec},
+                "time_ratio": ratio, "limit": 1 / 2.75, "target_ratio": 0.38,
+                "met": ratio is not None and ratio <= 0.38, "eval_loss_by_minute": by_minute}
 
     def slowlinks(self, rate_mbit: float = 50.0) -> dict:
         ok, why = available()
@@ -367,10 +396,12 @@ def _flag(key: str, value) -> list[str]:
 # --------------------------------------------------------------------------- summaries
 
 def summarize_swarm(name: str, records: dict, before, after, slowdowns: dict) -> dict:
-    peers = {}
+    peers, contributions = {}, []
     for peer, recs in records.items():
         final = next(r for r in recs if r["event"] == "final")
         outer = [r for r in recs if r["event"] == "outer"]
+        tokens_per_step = final["tokens"] / max(1, final["inner_step"])
+        contributions += [r["tokens"] / tokens_per_step for r in outer if r.get("tokens")]
         peers[peer] = {"final_eval": final["eval_loss"], "tokens": final["tokens"], "inner_step": final["inner_step"],
                        "outer_steps_applied": len(outer), "wall_s": final["wall_s"], "compute_s": final["compute_s"],
                        "final_wait_s": final.get("final_wait_s", 0.0), "end": final["time"],
@@ -396,9 +427,19 @@ def summarize_swarm(name: str, records: dict, before, after, slowdowns: dict) ->
     out.update(full_group_fraction=sum(p["full_rounds"] for p in peers.values()) / max(1, applied),
                resyncs=sum(p["resyncs"] for p in peers.values()), merges=sum(p["merges"] for p in peers.values()),
                max_eval_jump_pct=max(p["max_eval_jump_pct"] for p in peers.values()),
-               anchor_spread=anchor_spread_over_time(records))
+               anchor_spread=anchor_spread_over_time(records),
+               # inner steps behind each applied contribution (the schedule's target: inner_steps, +-10%)
+               contribution_steps=quantiles(contributions))
     out.update(_wire(before, after, steps))
     return out
+
+
+def quantiles(values: list) -> dict:
+    """Median and 90th percentile (None without values)."""
+    if not values:
+        return {"median": None, "p90": None}
+    ordered = sorted(values)
+    return {"median": statistics.median(ordered), "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]}
 
 
 def max_eval_jump(outer: list, after_step: int = 5) -> float:
@@ -532,7 +573,7 @@ def bare_main(steps: int, seed: int, overrides: dict, preset: str = PRESET) -> N
 # ------------------------------------------------------------------------------ main
 
 COMPARISONS = ("quality", "traffic", "stragglers", "slowlinks", "overhead")  # what `all` runs
-STUDIES = ("ablation", "sweep")  # the decoupled swarm's mechanisms and the outer optimizer's tuning
+STUDIES = ("ablation", "sweep", "hetero")  # the decoupled swarm's mechanisms and the outer optimizer's tuning
 
 
 def main(argv=None) -> int:

@@ -205,7 +205,7 @@ def plot(results: dict, out: Path) -> list[str]:
         return []
     made = []
     for seed, comps in results["by_seed"].items():
-        for comp in ("quality", "ablation", "stragglers", "slowlinks"):
+        for comp in ("quality", "ablation", "stragglers", "slowlinks", "hetero"):
             runs = (comps.get(comp) or {}).get("runs")
             if not runs:
                 continue
