@@ -9,7 +9,7 @@ import hivemind
 import pytest
 import torch
 
-from p2pdiloco import averaging
+from p2pdiloco import allreduce, averaging
 from p2pdiloco.averaging import DilocoAverager, RoundRunner
 from p2pdiloco.config import Config
 from p2pdiloco.state import SharedState
@@ -232,7 +232,7 @@ def test_parts_land_in_place_as_they_arrive():
 
     first, second = torch.zeros(10), torch.zeros(6)
     container = averaging.TensorPartContainer([first, second], (0.5, 0.5), part_size_bytes=12)  # 3 values a part
-    container.__class__ = averaging.InPlaceParts
+    container.__class__ = allreduce.InPlaceParts
     container.alpha = 0.5
     parts = [[part for part, _ in peer] for peer in container._input_parts_by_peer]
     assert [len(p) for p in parts] == [3, 3], parts  # peer 0: first[0:9]; peer 1: first[9:10], second
@@ -260,7 +260,7 @@ def test_in_place_iteration_ends_when_the_round_is_finalized():
     import asyncio
 
     container = averaging.TensorPartContainer([torch.zeros(6)], (0.5, 0.5), part_size_bytes=12)
-    container.__class__ = averaging.InPlaceParts
+    container.__class__ = allreduce.InPlaceParts
 
     async def scenario():
         outputs = container.iterate_output_tensors()

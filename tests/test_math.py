@@ -371,7 +371,7 @@ def test_validate_state_rejects_bad_outer_step(outer_step):
 
 
 def test_contribution_policy_excludes_non_finite_and_outliers():
-    from p2pdiloco.averaging import ContributionPolicy
+    from p2pdiloco.allreduce import ContributionPolicy
 
     gathered = [{"norm": 3.0, "weight": 100.0}, {"norm": 4.0, "weight": 100.0}, {"norm": float("nan"), "weight": 1.0},
                 {"norm": 4e6, "weight": 1e9}, {"norm": 5.0, "weight": 100.0}]
@@ -385,7 +385,7 @@ def test_contribution_policy_excludes_non_finite_and_outliers():
 
 
 def test_contribution_policy_two_members_uses_the_lower_median():
-    from p2pdiloco.averaging import ContributionPolicy
+    from p2pdiloco.allreduce import ContributionPolicy
 
     policy = ContributionPolicy.from_gathered([{"norm": 2.0}, {"norm": 50.0}], max_norm_ratio=10.0)
     assert policy.excluded == [False, True]
@@ -462,7 +462,7 @@ def test_merge_weights_newest_outer_step_only():
 def test_merge_scales_turn_one_weight_per_sender_into_merge_weights():
     """hivemind averages sum(w x) / sum(w) with one weight per sender; senders scale their anchors
     so that the result is sum(v anchor) / sum(v) with the merge weights v."""
-    from p2pdiloco.averaging import ContributionPolicy
+    from p2pdiloco.allreduce import ContributionPolicy
 
     n = 40
     anchors = [torch.randn(n, generator=_gen(50 + i)) for i in range(3)]
@@ -480,7 +480,7 @@ def test_merge_scales_turn_one_weight_per_sender_into_merge_weights():
 
 
 def test_merge_policy_excludes_bad_anchor_announcements():
-    from p2pdiloco.averaging import ContributionPolicy
+    from p2pdiloco.allreduce import ContributionPolicy
 
     base = {"norm": 1.0, "weight": 1.0, "momentum_norm": 1.0}
     gathered = [{**base, "anchor_norm": 10.0}, {**base, "anchor_norm": 10.5}, {**base, "anchor_norm": float("nan")},

@@ -1,0 +1,373 @@
+"""The all-reduce of one round, as this peer's averager process runs it.
+
+hivemind's `AllReduceRunner`, extended so that a round can be judged all-or-nothing and a bad
+contribution cannot spoil it (averaging.py runs the rounds and collects the verdicts):
+
+- `ContributionPolicy`: how our reducer treats each sender's parts, decided from what every
+  member announced when the group formed (norm, weight), the same on every member;
+- `CountingAllReduceRunner`: checks each sender's parts against the policy while it reduces
+  them, counts the bytes it sends and receives, and reports (`RoundReport`) the parts that never
+  came back and the senders it excluded;
+- `InPlaceParts`: each averaged part is written into its place in the round's buffer as it
+  arrives, instead of queuing behind slower reducers' parts (docs/scale.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional
+
+import torch
+from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, BannedException
+from hivemind.averaging.partition import TensorPartContainer
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
+
+from p2pdiloco.compression import BlockwiseQuantization
+
+@dataclass
+class RoundReport:
+    """What one member saw of its own all-reduce, measured inside the averager process."""
+
+    group_id: str
+    complete: bool
+    reason: str = ""
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    rejected: dict = field(default_factory=dict)  # sender peer id -> why its parts were excluded or clipped
+    merged: bool = False  # a merge round: anchors and outer momenta were averaged too
+
+
+@dataclass
+class ContributionPolicy:
+    """How our reducer treats each sender's parts, decided from what the members announced when the
+    group formed (pseudo-gradient norm and weight; every member announces them in the gather).
+
+    Excluded (weight 0): a part that is not finite or not of the expected shape and dtype; a
+    sender that announced a non-finite norm or one over `max_norm_ratio` times the group's lower
+    median; a part larger than its sender's announced norm allows. Weights are capped at
+    `max_norm_ratio` times the median weight. Every member derives the same policy, so every
+    reducer treats a sender the same way and the round stays consistent.
+
+    A merge round (`merge`: each sender's weight in the anchor average, diloco.merge_weights)
+    sends [pseudo-gradient | anchor | momentum]; anchors and momenta pass the same rules, each
+    against its own announced norm (`anchor_norm`, `momentum_norm`), and each sender scales them
+    by `merge_scales` so that hivemind's one weight per sender yields the merge weights."""
+
+    excluded: list        # per sender: True if none of its parts are used
+    norm_caps: list       # per sender: the largest part norm consistent with its announcement
+    weight_caps: list     # per sender: the largest weight it may claim
+    notes: dict           # sender index -> reason
+    segment_caps: Optional[list] = None   # merge rounds: per sender, caps of its 3 segments' norms
+    merge_scales: Optional[list] = None   # merge rounds: per sender, the factor on its anchor and momentum
+    merge_problem: str = ""               # merge rounds: why no anchor average is possible (the round fails)
+
+    @classmethod
+    def from_gathered(cls, gathered: list, *, max_norm_ratio: float, norm_slack: float = 1.01,
+                      merge: Optional[list] = None) -> "ContributionPolicy":
+        norms = [g.get("norm") if isinstance(g, dict) else None for g in gathered]
+        weights = [g.get("weight") if isinstance(g, dict) else None for g in gathered]
+        median = _lower_median([n for n in norms if isinstance(n, (int, float)) and math.isfinite(n) and n >= 0])
+        median_w = _lower_median([w for w in weights if isinstance(w, (int, float)) and math.isfinite(w) and w > 0])
+        notes = {}
+        for i, n in enumerate(norms):
+            if not isinstance(n, (int, float)) or not math.isfinite(n) or n < 0:
+                notes[i] = f"announced pseudo-gradient norm {n!r}"
+            elif median > 0 and n > max_norm_ratio * median:
+                # far outside the group: excluded. Scaling it down keeps a wrong direction (fp16
+                # transport even clamps such values), which measurably hurt the others' loss.
+                notes[i] = f"norm {n:.3g} > {max_norm_ratio:g}x the group median {median:.3g}: excluded"
+        excluded = [i in notes for i in range(len(norms))]
+        # norm_slack: how much a lossy codec may grow a norm (the announced norm is before encoding)
+        caps = [0.0 if out else n * max(1.01, norm_slack) + 1e-6 for out, n in zip(excluded, norms)]
+        policy = cls(excluded, caps, [max_norm_ratio * (median_w or 1.0)] * len(norms), notes)
+        if merge is not None:
+            policy._plan_merge(gathered, merge, weights, max_norm_ratio)
+        return policy
+
+    def _plan_merge(self, gathered: list, merge: list, weights: list, max_norm_ratio: float) -> None:
+        announced = {}
+        for key in ("anchor_norm", "momentum_norm"):
+            values = [g.get(key) if isinstance(g, dict) else None for g in gathered]
+            ok = [isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in values]
+            median = _lower_median([v for v, good, m in zip(values, ok, merge) if good and m > 0])
+            for i, (v, good) in enumerate(zip(values, ok)):
+                if merge[i] <= 0 or i in self.notes:
+                    continue
+                if not good:
+                    self.notes[i] = f"announced {key} {v!r}"
+                elif median > 0 and v > max_norm_ratio * median:
+                    self.notes[i] = f"{key} {v:.3g} > {max_norm_ratio:g}x the group median {median:.3g}: excluded"
+            announced[key] = [v if good else 0.0 for v, good in zip(values, ok)]
+        self.excluded = [i in self.notes for i in range(len(gathered))]
+        used = [0.0 if out or not isinstance(w, (int, float)) or not math.isfinite(w) else min(float(w), cap)
+                for out, w, cap in zip(self.excluded, weights, self.weight_caps)]
+        votes = [0.0 if out else float(m) for out, m in zip(self.excluded, merge)]
+        total_w, total_v = sum(used), sum(votes)
+        if total_v <= 0 or total_w <= 0:
+            self.merge_problem = "no usable member at the group's newest outer step to merge anchors from"
+        # hivemind averages sum(w x) / sum(w): sending v/w * W/V * anchor yields sum(v anchor) / sum(v)
+        self.merge_scales = [v / w * total_w / total_v if w > 0 and total_v > 0 else 0.0 for v, w in zip(votes, used)]
+        self.segment_caps = [[0.0 if out else cap, *(scale * announced[key][i] * 1.01 + 1e-6
+                                                     for key in ("anchor_norm", "momentum_norm"))]
+                             for i, (out, cap, scale) in enumerate(zip(self.excluded, self.norm_caps,
+                                                                       self.merge_scales))]
+
+    @property
+    def valid(self) -> int:
+        return self.excluded.count(False)
+
+
+def _lower_median(values: list) -> float:
+    """The lower median: with two members, the smaller one (the safer guess of what is normal)."""
+    return sorted(values)[(len(values) - 1) // 2] if values else 0.0
+
+
+class _CountingStub:
+    """Wraps a peer stub so the bytes of averaged parts we receive are counted."""
+
+    def __init__(self, stub, runner: "CountingAllReduceRunner"):
+        self._stub, self._runner = stub, runner
+
+    async def rpc_aggregate_part(self, inputs):
+        stream = await self._stub.rpc_aggregate_part(inputs)
+        return self._runner._count(stream, "recv")
+
+
+class InPlaceParts(TensorPartContainer):
+    """hivemind's part container, with each averaged part written into its place in the local
+    tensors as it arrives, instead of queued until every earlier part is in: hivemind's reassembly
+    keeps a fast reducer's parts (fp32 copies) waiting on a slow one's, ~0.7 GB of an 85M merge round.
+    The place is free: a reducer answers part k only after it received our part k (which, sent,
+    is serialized; our own reducer has added it to its accumulator), and nothing reads it again.
+    Iterating yields each local tensor once all its parts are in place."""
+
+    alpha = 1.0  # deltas (return_deltas) are added with this weight; averages are copied
+
+    def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor):
+        if self.finished.is_set():  # finalized (the round failed): the places are no longer ours
+            return
+        if part_index != self._outputs_registered_by_peer[peer_index]:
+            raise ValueError(f"Could not register part #{part_index} from peer #{peer_index}, "
+                             f"expected part index: {self._outputs_registered_by_peer[peer_index]}")
+        place = self._input_parts_by_peer[peer_index][part_index][0]
+        if self.return_deltas:
+            place.add_(part.reshape(place.shape), alpha=self.alpha)
+        else:
+            place.copy_(part.reshape(place.shape))
+        self._outputs_registered_by_peer[peer_index] += 1
+        self._output_part_available[peer_index].set()
+
+    async def iterate_output_tensors(self) -> AsyncIterator[torch.Tensor]:
+        assert not self._outputs_consumed, "output tensors are already iterated and no longer available."
+        self._outputs_consumed = True
+        peer_index = taken = 0  # parts of peer_index's share already accounted to earlier tensors
+        for tensor_index, tensor in enumerate(self.local_tensors):
+            for _ in range(self.num_parts_by_tensor[tensor_index]):
+                while taken >= self.num_parts_by_peer[peer_index]:
+                    peer_index, taken = peer_index + 1, 0
+                while self._outputs_registered_by_peer[peer_index] <= taken:
+                    if self.finished.is_set():
+                        raise AllreduceException("All-reduce was terminated during iteration")
+                    self._output_part_available[peer_index].clear()
+                    await self._output_part_available[peer_index].wait()
+                taken += 1
+            yield tensor
+
+
+class CountingAllReduceRunner(AllReduceRunner):
+    """hivemind's butterfly all-reduce, counting the bytes of every message it sends and receives,
+    and checking every part our reducer accumulates against the group's ContributionPolicy.
+
+    With one of our low-bit codecs (`codec`), a reducer answers every sender with the average
+    part itself, encoded once, instead of hivemind's per-sender delta (average - that sender's
+    part): a lossy delta would leave each member with a differently rounded average, and the
+    anchors of a round's members would drift apart by the codec's error every round. The
+    runner's outputs are then averages (`absolute`), not deltas."""
+
+    def __init__(self, *args, policy: Optional[ContributionPolicy] = None,
+                 codec: Optional[BlockwiseQuantization] = None, segments: int = 0, alpha: float = 1.0,
+                 **kwargs):
+        self.bytes_sent = self.bytes_recv = 0
+        self._serving = 0  # our reducer's result streams to groupmates still open
+        self._served = asyncio.Event()
+        self._served.set()
+        super().__init__(*args, **kwargs)
+        # hivemind builds its own container; ours only changes where results go (same fields, no new state)
+        self.tensor_part_container.__class__ = InPlaceParts
+        self.tensor_part_container.alpha = alpha
+        self.codec = codec
+        self.absolute = codec is not None
+        self._replies: dict[int, asyncio.Future] = {}  # part index -> the encoded average, shared by all senders
+        if self.absolute:
+            self.tensor_part_container.return_deltas = False
+        self.policy = policy
+        self.rejected: dict[str, str] = {}
+        # a merge round: the vector is 3 segments of `segments` values; each part's flat offset tells
+        # which segment(s) it holds, so that each is checked against its own announced norm
+        self.segments = segments
+        self._part_offsets: list[int] = []
+        if segments:
+            me = self.ordered_peer_ids.index(self.peer_id)
+            lengths = [[len(part) for part, _ in parts] for parts in self.tensor_part_container._input_parts_by_peer]
+            offset = sum(sum(lens) for lens in lengths[:me])
+            for length in lengths[me]:
+                self._part_offsets.append(offset)
+                offset += length
+        if policy is not None:
+            for index, note in policy.notes.items():
+                self.rejected[str(self.sender_peer_ids[index])] = note
+            self._accumulate = self.tensor_part_reducer.accumulate_part
+            self.tensor_part_reducer.accumulate_part = self._checked_accumulate
+
+    async def _checked_accumulate(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                                  weight: float = 1.0):
+        policy = self.policy
+        expected = self.tensor_part_reducer.part_shapes[part_index]
+        problem = None
+        if tensor_part.shape != expected or not tensor_part.dtype.is_floating_point:
+            problem = f"part of shape {tuple(tensor_part.shape)} {tensor_part.dtype}, expected {tuple(expected)}"
+        elif not torch.isfinite(tensor_part).all():
+            problem = "non-finite values"
+        elif policy.excluded[sender_index]:
+            problem = policy.notes.get(sender_index, "excluded")
+        elif self.segments:
+            problem = self._segment_problem(sender_index, part_index, tensor_part)
+        elif float(tensor_part.float().norm()) > policy.norm_caps[sender_index]:
+            problem = "part larger than its announced norm"
+        if problem is not None:
+            self.rejected.setdefault(str(self.sender_peer_ids[sender_index]), problem)
+            return await self._accumulate(sender_index, part_index, torch.zeros(expected), weight=0.0)
+        weight = min(float(weight), policy.weight_caps[sender_index])
+        return await self._accumulate(sender_index, part_index, tensor_part, weight=weight)
+
+    def _segment_problem(self, sender_index: int, part_index: int, tensor_part: torch.Tensor) -> Optional[str]:
+        start, n = self._part_offsets[part_index], self.segments
+        flat = tensor_part.reshape(-1).float()
+        for segment, (name, cap) in enumerate(zip(("pseudo-gradient", "anchor", "momentum"),
+                                                  self.policy.segment_caps[sender_index])):
+            lo, hi = max(start, segment * n), min(start + flat.numel(), (segment + 1) * n)
+            if lo < hi and float(flat[lo - start:hi - start].norm()) > cap:
+                return f"{name} part larger than its announced norm"
+        return None
+
+    # --- low-bit codecs: absolute replies, encoded once per part -------------------------------
+
+    def _encoded_average(self, part_index: int, averaged: torch.Tensor) -> asyncio.Future:
+        reply = self._replies.get(part_index)
+        if reply is None:
+            reply = asyncio.get_event_loop().run_in_executor(None, self.codec.compress, averaged)
+            self._replies[part_index] = reply
+        return reply
+
+    def _decode_part(self, sender_index: int, part_index: int, message) -> torch.Tensor:
+        """A sender's part; one that does not decode becomes NaN, which the policy check rejects."""
+        expected = self.tensor_part_reducer.part_shapes[part_index]
+        try:
+            return self.codec.extract(message).reshape(expected)
+        except (ValueError, RuntimeError) as e:
+            self.rejected.setdefault(str(self.sender_peer_ids[sender_index]), f"undecodable part: {e}")
+            return torch.full(expected, math.nan)
+
+    async def _accumulate_parts_streaming(self, stream, sender_index: int):
+        if not self.absolute:
+            async for msg in super()._accumulate_parts_streaming(stream, sender_index):
+                yield msg
+            return
+        part_index = 0
+        loop = asyncio.get_event_loop()
+        try:
+            async for msg in stream:
+                part = await loop.run_in_executor(None, self._decode_part, sender_index, part_index, msg.tensor_part)
+                try:
+                    averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part,
+                                                                              weight=msg.weight)
+                except BannedException:
+                    break
+                reply = await self._encoded_average(part_index, averaged)
+                part_index += 1
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=reply)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+    async def _communicate_with_peer(self, peer_id):
+        if not self.absolute:
+            return await super()._communicate_with_peer(peer_id)
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        container = self.tensor_part_container
+        if peer_id == self.peer_id:  # our own reducer: keep the same rounded average the others get
+            sender_index = self.sender_peer_ids.index(peer_id)
+            for part_index, part in enumerate(self.parts_for_local_averaging):
+                averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part,
+                                                                          weight=self.weight)
+                reply = await self._encoded_average(part_index, averaged)
+                container.register_processed_part(peer_index, part_index, self.codec.extract(reply))
+            return
+        try:
+            done_sending = asyncio.Event()
+            inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+            part_index = 0
+            loop = asyncio.get_event_loop()
+            async for msg in aiter_with_timeout(stream, self.reducer_timeout):
+                if msg.code != averaging_pb2.AVERAGED_PART:
+                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
+                averaged = await loop.run_in_executor(None, self.codec.extract, msg.tensor_part)
+                container.register_processed_part(peer_index, part_index, averaged)
+                part_index += 1
+            if part_index != container.num_parts_by_peer[peer_index]:
+                raise AllreduceException(f"{peer_id} sent {part_index} parts, expected "
+                                         f"{container.num_parts_by_peer[peer_index]}")
+        except BaseException:
+            container.register_failed_reducer(peer_index)  # counted in failed_size: the round is discarded
+            raise
+
+    async def _count(self, stream, direction: str):
+        async for msg in stream:
+            if direction == "sent":
+                self.bytes_sent += msg.ByteSize()
+            else:
+                self.bytes_recv += msg.ByteSize()
+            yield msg
+
+    def _get_peer_stub(self, peer):
+        return _CountingStub(super()._get_peer_stub(peer), self)
+
+    def _generate_input_for_peer(self, peer_index: int):
+        return self._count(super()._generate_input_for_peer(peer_index), "sent")
+
+    async def rpc_aggregate_part(self, stream, context):
+        self._serving += 1
+        self._served.clear()
+        try:
+            async for msg in self._count(super().rpc_aggregate_part(self._count(stream, "recv"), context), "sent"):
+                yield msg
+        finally:
+            self._serving -= 1
+            if self._serving == 0:
+                self._served.set()
+
+    async def wait_served(self, timeout: float) -> None:
+        """Our own average can be complete while our reducer still streams results to others."""
+        try:
+            await asyncio.wait_for(self._served.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    def report(self) -> RoundReport:
+        problems = []
+        failed = self.tensor_part_container.failed_size
+        if failed:
+            problems.append(f"{failed} of {self.tensor_part_container.total_size} values never came back")
+        if self.banned_senders:
+            problems.append(f"reducer dropped {len(self.banned_senders)} sender(s)")
+        return RoundReport(group_id=self.group_id.hex(), complete=not problems, reason="; ".join(problems),
+                           bytes_sent=self.bytes_sent, bytes_recv=self.bytes_recv, rejected=dict(self.rejected),
+                           merged=bool(self.segments))
+
+
