@@ -83,8 +83,8 @@ class Config:
     grad_clip: float = _f(1.0, "Clip the inner gradient norm to this value (0 = off).")
 
     # --- outer loop (Nesterov on CPU) ----------------------------------------------------
-    outer_lr: float = _f(0.7, "Outer Nesterov learning rate (DiLoCo's 0.7; the tiny preset's 4 peers measured "
-                              "best at 0.5 over long runs, docs/benchmarks.md).")
+    outer_lr: float = _f(0.7, "Outer Nesterov learning rate (DiLoCo's 0.7; the tiny preset's 4 peers on a "
+                              "schedule measured best at 1.0 with momentum 0.6, docs/benchmarks.md).")
     outer_momentum: float = _f(0.9, "Outer Nesterov momentum.")
     max_staleness: int = _f(4, "A peer this many outer steps behind the swarm reloads state instead of contributing.")
     group_share: bool = _f(False, "Experimental: scale a group's average by its share of the live swarm (members / "
