@@ -27,6 +27,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
 
 from p2pdiloco.compression import BlockwiseQuantization
 
+
 @dataclass
 class RoundReport:
     """What one member saw of its own all-reduce, measured inside the averager process."""

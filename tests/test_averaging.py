@@ -231,7 +231,7 @@ def test_parts_land_in_place_as_they_arrive():
     import asyncio
 
     first, second = torch.zeros(10), torch.zeros(6)
-    container = averaging.TensorPartContainer([first, second], (0.5, 0.5), part_size_bytes=12)  # 3 values a part
+    container = allreduce.TensorPartContainer([first, second], (0.5, 0.5), part_size_bytes=12)  # 3 values a part
     container.__class__ = allreduce.InPlaceParts
     container.alpha = 0.5
     parts = [[part for part, _ in peer] for peer in container._input_parts_by_peer]
@@ -259,7 +259,7 @@ def test_in_place_iteration_ends_when_the_round_is_finalized():
     """A round that fails (finalize) ends the iteration with an error instead of waiting forever."""
     import asyncio
 
-    container = averaging.TensorPartContainer([torch.zeros(6)], (0.5, 0.5), part_size_bytes=12)
+    container = allreduce.TensorPartContainer([torch.zeros(6)], (0.5, 0.5), part_size_bytes=12)
     container.__class__ = allreduce.InPlaceParts
 
     async def scenario():
