@@ -9,7 +9,7 @@ success (DESIGN.md), so the low-bit codecs are ours:
 
 Codes are decoded to fp32 and the reducer accumulates in fp32. With a low-bit codec a reducer
 answers every member with the *average* itself, encoded once (not each member's own delta to
-it, as hivemind does), so all members of a round hold bit-identical averages (see averaging.py).
+it, as hivemind does), so all members of a round hold bit-identical averages (see allreduce.py).
 
 A block that holds a non-finite value gets a NaN scale, so it decodes to NaN and the receiving
 reducer rejects the part rather than averaging a silently clamped value.
