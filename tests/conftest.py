@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,17 @@ def _orphan_p2pd_pids() -> set[int]:
             except (OSError, ValueError):
                 continue
     return pids
+
+
+def group_left(pgid: int, timeout: float = 10.0) -> list[int]:
+    """The live members of a process group once they are all gone, or at the deadline: a process
+    that was just signalled or whose parent just exited takes a moment to die on two busy cores."""
+    from p2pdiloco.localswarm import group_members
+
+    deadline = time.monotonic() + timeout
+    while (left := group_members(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
 
 
 @pytest.fixture(scope="session", autouse=True)

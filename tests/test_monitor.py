@@ -22,8 +22,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from p2pdiloco.localswarm import LocalSwarm, group_members, kill_group
-from tests.conftest import TINY
+from p2pdiloco.localswarm import LocalSwarm, kill_group
+from tests.conftest import TINY, group_left
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -261,8 +261,7 @@ def test_monitor_page_in_chromium(swarm, tmp_path):
 
         monitor.send_signal(signal.SIGTERM)
         assert monitor.wait(timeout=20) == 0, monitor.stderr.read()
-        time.sleep(0.5)
-        assert group_members(monitor.pid) == [], "the monitor's DHT process or p2pd outlived it"
+        assert group_left(monitor.pid) == [], "the monitor's DHT process or p2pd outlived it"
     finally:
         if browser is not None:
             stop_group(browser)

@@ -54,7 +54,11 @@ def test_ticking_shows_elapsed_time_and_stops(capsys):
     with progress.ticking(progress.bar("p2pdiloco: waiting", unit="", bar_format="{desc}: {elapsed}{postfix}"),
                           every=0.1) as shown:
         shown.set_postfix_str("attempt 1", refresh=False)
-        time.sleep(1.3)  # a blocking call: only the ticker redraws
+        # a blocking call: only the ticker redraws. It lasts until the ticker has drawn the bar at 1 s
+        # or more (bounded), not a fixed 1.3 s that a stalled ticker thread on busy cores can miss
+        deadline = time.monotonic() + 10
+        while shown.last_print_t - shown.start_t < 1.0 and time.monotonic() < deadline:
+            time.sleep(0.05)
     err = capsys.readouterr().err
     assert "p2pdiloco: waiting: 00:01, attempt 1" in err, err
     assert not [t for t in threading.enumerate() if t.name == "p2pdiloco-progress"]
