@@ -436,13 +436,14 @@ class Peer(SwarmRounds):
             applied = self._finish_round(pending)
 
         # --- every inner_steps steps: hand the pseudo-gradient to a background round ----
-        enter = self.clock.should_enter(now=time.time(), inner_step=self.inner_step) if self.clock else None
-        if enter is None:  # no schedule (yet): every inner_steps steps
-            enter = self.steps_since_round >= self.due_steps - self.lead_steps
-        if self.pending is None and enter:
-            self.pending = self._start_round()
-            if cfg.sync_rounds:
-                applied = self._wait_round_sync(self.t_start) or applied
+        if self.pending is None:
+            enter = self.clock.should_enter(now=time.time(), inner_step=self.inner_step) if self.clock else None
+            if enter is None:  # no schedule (yet): every inner_steps steps
+                enter = self.steps_since_round >= self.due_steps - self.lead_steps
+            if enter:
+                self.pending = self._start_round()
+                if cfg.sync_rounds:
+                    applied = self._wait_round_sync(self.t_start) or applied
 
         # --- every log interval: status line, metrics, progress record -------------------
         now = time.monotonic()
