@@ -137,10 +137,15 @@ def test_sigstop_longer_than_allreduce_timeout_then_catch_up_by_merge(swarm):
     finally:
         swarm.signal("c", signal.SIGCONT)
     t_cont = time.time()
-    # c's first applied step after waking is on top of the swarm's state, not its stale anchor: its
-    # anchor differs, so the round merges and c takes a's and b's (newer) anchor, with no download
-    swarm.wait_for(lambda: applied_after(swarm, "c", t_cont), timeout=90, what="c contributes again")
-    first = applied_after(swarm, "c", t_cont)[0]
+    # the round c froze in may still complete when it wakes, if every part had reached it (outer step
+    # at most before["a"] + 1); c's first round formed after waking is on top of the swarm's state, not
+    # its stale anchor: its anchor differs, so the round merges and c takes a's and b's (newer) anchor,
+    # with no download
+    def rejoined():
+        return [r for r in applied_after(swarm, "c", t_cont) if r["outer_step"] > before["a"] + 1]
+
+    swarm.wait_for(rejoined, timeout=90, what="c contributes again")
+    first = rejoined()[0]
     assert first["merged"] and first["outer_step"] > before["a"] + 3, first
     assert not [r for r in swarm.events("c", "resync") if r["time"] > t_cont], "no state download"
     assert_anchors_agree(swarm, "abc", after=t_cont)
