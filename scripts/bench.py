@@ -10,6 +10,9 @@
     python scripts/bench.py stragglers  # one peer 4x slower: swarm tokens/s, time to a target loss
     python scripts/bench.py slowlinks   # 50 Mbit/s links (tc tbf): wall time and compute utilization
     python scripts/bench.py overhead    # inner step inside `p2pdiloco join` vs a bare torch loop
+    python scripts/bench.py hetero      # peers at speeds 1, 1, 0.5, 0.25: time to sync DiLoCo's loss
+    python scripts/bench.py hivemind    # hivemind.Optimizer (local updates) vs the swarm, equal tokens and time,
+                                        #   fault-free and one peer SIGKILLed
     python scripts/bench.py all --repeat 2 --out runs/bench
 
 Every comparison runs the baselines and p2pdiloco on the same model, data, seeds and token budget
@@ -27,6 +30,7 @@ import itertools
 import json
 import math
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -42,6 +46,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from bench_report import plot, report  # noqa: E402
 from ddp_baseline import run_ddp  # noqa: E402
+from hivemind_baseline import run_hivemind  # noqa: E402
 from netns import HOST_IF, Namespaces, available  # noqa: E402
 
 from p2pdiloco.localswarm import LocalSwarm  # noqa: E402
@@ -66,7 +71,7 @@ class Size:
 
 SIZES = {
     "default": Size(peers=4, steps=1500, duration=150.0, eval_batches=16, parallel=1, inner_steps=50),
-    "quick": Size(peers=2, steps=80, duration=20.0, eval_batches=2, parallel=8, inner_steps=20, overhead_factor=3,
+    "quick": Size(peers=2, steps=80, duration=20.0, eval_batches=2, parallel=8, inner_steps=20, overhead_factor=2,
                   pace=3.0, sweep_grid=((0.5, 0.9), (1.0, 0.6))),
     # 120 outer steps of synchronous DiLoCo at H=50: long enough that DiLoCo's outer loop, not the budget, decides
     "long": Size(peers=4, steps=6000, duration=600.0, eval_batches=16, parallel=1, inner_steps=50),
@@ -117,9 +122,10 @@ class Bench:
     # ------------------------------------------------------------------------------ runs
 
     def swarm(self, name: str, *, overrides: dict, per_peer: dict | None = None, net: Namespaces | None = None,
-              timeout: float = 1200, preset: str = PRESET) -> dict:
+              timeout: float = 1200, preset: str = PRESET, kill_at_step: int | None = None) -> dict:
         """A swarm of real `p2pdiloco join` processes that stop by themselves (max_inner_steps or
-        max_time); returns its summary. per_peer: peer index -> extra overrides."""
+        max_time); returns its summary. per_peer: peer index -> extra overrides. kill_at_step: the last
+        peer is SIGKILLed (its whole process group: a crashed machine) once it logged that inner step."""
         workdir = self.out / "runs" / f"{name}-s{self.seed}"
         shutil.rmtree(workdir, ignore_errors=True)
         names = [chr(ord("a") + i) for i in range(self.size.peers)]
@@ -135,10 +141,16 @@ class Bench:
                     values["host_maddrs"] = f"/ip4/{net.addr(i)}/tcp/0"
                 args = [a for k, v in values.items() for a in _flag(k, v)]
                 swarm.start(peer, *args, join="boot", wrapper=net.prefix(i) if net else ())
-            swarm.wait_for(lambda: all(swarm.peers[p].proc.poll() is not None for p in names), timeout,
-                           what=f"{name}: every peer done")
+            t0, killed = time.monotonic(), names[-1] if kill_at_step else None
+            if killed:
+                swarm.wait_for(lambda: max([r["inner_step"] for r in swarm.events(killed, "inner")], default=0)
+                               >= kill_at_step or swarm.peers[killed].proc.poll() is not None, timeout,
+                               what=f"{name}: peer {killed} at inner step {kill_at_step}")
+                swarm.signal(killed, signal.SIGKILL)
+            swarm.wait_for(lambda: all(swarm.peers[p].proc.poll() is not None for p in names),
+                           max(1.0, timeout - (time.monotonic() - t0)), what=f"{name}: every peer done")
             codes = swarm.stop_all()
-            failed = {peer: codes[peer] for peer in names if codes[peer] != 0}
+            failed = {peer: codes[peer] for peer in names if codes[peer] != 0 and peer != killed}
             if failed:
                 peer = next(iter(failed))
                 raise RuntimeError(f"{name}: peers exited with {failed}: {swarm.stderr(peer, 600)}")
@@ -147,7 +159,7 @@ class Bench:
         slowdowns = {peer: float(values.get("slowdown", 1.0)) for peer, values in zip(names, peer_values)}
         preset_outer = tomllib.loads(Path(preset).read_text()).get("outer", {})
         outer = {k: overrides.get(k, preset_outer.get(k)) for k in ("outer_lr", "outer_momentum")}
-        return {**summarize_swarm(name, records, before, after, slowdowns), **outer}
+        return {**summarize_swarm(name, records, before, after, slowdowns), **outer, "killed": killed}
 
     def ddp(self, name: str, *, steps: int, overrides: dict, net: Namespaces | None = None) -> dict:
         workdir = self.out / "runs" / f"{name}-s{self.seed}"
@@ -162,6 +174,15 @@ class Bench:
                          eval_every=max(10, steps // 10), **kwargs)
         after = net.counters() if net else None
         return summarize_ddp(name, result, before, after)
+
+    def hivemind_run(self, name: str, *, steps: int, overrides: dict, kill_at_step: int | None = None) -> dict:
+        """hivemind.Optimizer peers (scripts/hivemind_baseline.py) on the same model, data and tokens."""
+        workdir = self.out / "runs" / f"{name}-s{self.seed}"
+        shutil.rmtree(workdir, ignore_errors=True)
+        result = run_hivemind(workdir, peers=self.size.peers, config=PRESET, steps=steps,
+                              inner_steps=overrides["inner_steps"], overrides=overrides, kill_at_step=kill_at_step,
+                              run_id=f"bench-{name}-s{self.seed}", timeout=1200)
+        return summarize_hivemind(name, result)
 
     def many(self, jobs: list) -> list[dict]:
         """Run (fn, kwargs) jobs, self.size.parallel at a time (a clean timing wants 1)."""
@@ -306,6 +327,34 @@ class Bench:
                 "time_ratio": ratio, "limit": 1 / 2.75, "target_ratio": 0.38,
                 "met": ratio is not None and ratio <= 0.38, "eval_loss_by_minute": by_minute}
 
+    def hivemind(self) -> dict:
+        """The library a user would pick instead: hivemind.Optimizer with use_local_updates=True and
+        target_batch_size = N x H x batch (local AdamW steps, parameters averaged once per epoch of
+        about H steps per peer) against the decoupled swarm (its defaults), on the same model, data and
+        tokens, fault-free and with the last peer SIGKILLed (its process group) at half its steps. Two
+        numbers per pair: the eval loss at equal tokens (each run's final, the survivors' mean) and at
+        equal wall time (each run's last eval loss by the faster run's end). --set applies to both
+        (slowdown=N paces them: hivemind needs an epoch's compute well above a round)."""
+        n, steps = self.size.peers, self.size.steps
+        base = {**self.common(steps), "max_inner_steps": steps, "slowdown": self.size.pace, "target_group_size": n,
+                **self.extra}
+        half = steps // 2
+        runs = {r["name"]: r for r in self.many([
+            (self.swarm, dict(name="p2pdiloco", overrides=base)),
+            (self.hivemind_run, dict(name="hivemind", steps=steps, overrides=base)),
+            (self.swarm, dict(name="p2pdiloco_kill", overrides=base, kill_at_step=half)),
+            (self.hivemind_run, dict(name="hivemind_kill", steps=steps, overrides=base, kill_at_step=half))])}
+        pairs = []
+        for suffix, fault in (("", "fault-free"), ("_kill", "one peer killed")):
+            ours, theirs = runs[f"p2pdiloco{suffix}"], runs[f"hivemind{suffix}"]
+            t = min(ours["wall_s"], theirs["wall_s"])
+            for what, a, b in ((f"equal tokens, {fault}", ours["final_eval"], theirs["final_eval"]),
+                               (f"equal wall time ({t:.0f} s), {fault}", loss_by(ours, t), loss_by(theirs, t))):
+                pct = 100 * (a / b - 1) if a is not None and b else None
+                pairs.append({"what": what, "p2pdiloco": a, "hivemind": b, "pct": pct,
+                              "ahead": pct is not None and pct < 0})
+        return {"runs": runs, "pairs": pairs, "met": all(p["ahead"] for p in pairs)}
+
     def slowlinks(self, rate_mbit: float = 50.0) -> dict:
         ok, why = available()
         if not ok:
@@ -398,7 +447,9 @@ def _flag(key: str, value) -> list[str]:
 def summarize_swarm(name: str, records: dict, before, after, slowdowns: dict) -> dict:
     peers, contributions = {}, []
     for peer, recs in records.items():
-        final = next(r for r in recs if r["event"] == "final")
+        final = next((r for r in recs if r["event"] == "final"), None)
+        if final is None:  # a peer the benchmark SIGKILLed: its evaluations stay in the curve below
+            continue
         outer = [r for r in recs if r["event"] == "outer"]
         tokens_per_step = final["tokens"] / max(1, final["inner_step"])
         contributions += [r["tokens"] / tokens_per_step for r in outer if r.get("tokens")]
@@ -414,7 +465,10 @@ def summarize_swarm(name: str, records: dict, before, after, slowdowns: dict) ->
                        "msg_bytes_sent": sum(r["bytes_sent"] for r in outer),
                        "msg_bytes_recv": sum(r["bytes_recv"] for r in outer)}
     start, end = min(p["start"] for p in peers.values()), max(p["end"] for p in peers.values())
-    tokens = sum(p["tokens"] for p in peers.values())
+    # a SIGKILLed peer's tokens up to its last record count too: they are in the swarm's curve
+    tokens = sum(p["tokens"] for p in peers.values()) + sum(
+        max([r["tokens"] for r in recs if r["event"] == "inner"], default=0)
+        for peer, recs in records.items() if peer not in peers)
     steps = sum(p["inner_step"] for p in peers.values())
     curve = swarm_curve(records, start)
     out = {"name": name, "kind": "p2pdiloco", "final_eval": statistics.mean(p["final_eval"] for p in peers.values()),
@@ -492,6 +546,34 @@ def summarize_ddp(name: str, result: dict, before, after) -> dict:
     out["eval_curve_losses"] = [c[2] for c in out["curve"]]
     out.update(_wire(before, after, steps))
     return out
+
+
+def summarize_hivemind(name: str, result: dict) -> dict:
+    """The hivemind run as the swarm's summary reads: final eval (the survivors' mean), tokens of every
+    peer (a killed one's up to its last record), wall time from the first start line to the last step,
+    and the curve of every peer's epoch evaluations (its local model, as the epoch's round is in flight)."""
+    finals = result["final"]
+    records = [r for recs in result["ranks"] for r in recs]
+    start = min(r["time"] for r in records if r["event"] == "start")
+    end = max(f["time"] - f["final_wait_s"] for f in finals)
+    tokens = sum(max([r["tokens"] for r in recs if r["event"] in ("inner", "final")], default=0)
+                 for recs in result["ranks"])
+    curve = [(r["tokens"] * len(result["ranks"]), r["time"] - start, r["eval_loss"])
+             for r in sorted(records, key=lambda r: r["time"]) if r["event"] == "epoch" and "eval_loss" in r]
+    curve += [(f["tokens"] * len(result["ranks"]), f["time"] - f["final_wait_s"] - start, f["eval_loss"])
+              for f in sorted(finals, key=lambda f: f["time"])]
+    return {"name": name, "kind": "hivemind", "final_eval": result["eval_loss"], "tokens": tokens,
+            "wall_s": end - start, "curve": curve, "eval_curve_losses": [c[2] for c in curve],
+            "killed": result["killed"], "epochs": [f["epochs"] for f in finals],
+            "rounds_averaged": [f["rounds_averaged"] for f in finals],
+            "rounds_failed": [f["rounds_failed"] for f in finals],
+            "group_sizes": [f["group_sizes"] for f in finals]}
+
+
+def loss_by(run: dict, t: float):
+    """The run's last eval loss at or before t seconds (None if it evaluated nothing by then)."""
+    losses = [loss for _, tt, loss in run["curve"] if tt <= t + 1e-6 and loss is not None]
+    return losses[-1] if losses else None
 
 
 def _wire(before, after, steps: int) -> dict:
@@ -573,7 +655,8 @@ def bare_main(steps: int, seed: int, overrides: dict, preset: str = PRESET) -> N
 # ------------------------------------------------------------------------------ main
 
 COMPARISONS = ("quality", "traffic", "stragglers", "slowlinks", "overhead")  # what `all` runs
-STUDIES = ("ablation", "sweep", "hetero")  # the decoupled swarm's mechanisms and the outer optimizer's tuning
+# the decoupled swarm's mechanisms, the outer optimizer's tuning, heterogeneous peers, hivemind.Optimizer
+STUDIES = ("ablation", "sweep", "hetero", "hivemind")
 
 
 def main(argv=None) -> int:
@@ -586,8 +669,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-baselines", dest="baselines", action="store_false",
                         help="ablation: the variants only, no DDP or sync runs (compare with another run's)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="ablation: a config override for every run but sync DiLoCo's outer lr and momentum "
-                             "(e.g. outer_lr=0.7), repeatable")
+                        help="ablation, sweep, hivemind: a config override for every run but sync DiLoCo's "
+                             "outer lr and momentum (e.g. outer_lr=0.7), repeatable")
     parser.add_argument("--out", default="", help="output directory (default: a new temporary directory)")
     parser.add_argument("--repeat", type=int, default=1, help="run everything this many times (seeds 0, 1, ...)")
     parser.add_argument("--data", default="", help="corpus file (default: the bundled Shakespeare corpus)")

@@ -181,6 +181,23 @@ def report(results: dict, out: Path) -> str:
                 lines.append(f"| {H} | {o['rounds_per_peer']:.0f} | {o['peer_step_ms']:.2f} | {o['bare_step_ms']:.2f} | "
                              f"{o['overhead_pct']:+.2f}% | {'met' if o['met'] else 'MISSED'} (<= 3%) |")
             lines.append("")
+        hm = comps.get("hivemind")
+        if hm:
+            lines += ["### hivemind.Optimizer (use_local_updates, parameters averaged every ~H steps per peer)", "",
+                      "| run | final eval loss | tokens | wall s | rounds |", "|---|---|---|---|---|"]
+            for r in hm["runs"].values():
+                if r["kind"] == "hivemind":
+                    rounds = f"epochs {r['epochs']}, averaged {r['rounds_averaged']}, failed {r['rounds_failed']}"
+                else:
+                    rounds = f"{statistics.mean(p['outer_steps_applied'] for p in r['peers'].values()):.1f}/peer"
+                lines.append(f"| {r['name']} | {_num(r['final_eval'])} | {r['tokens']} | {r['wall_s']:.0f} | "
+                             f"{rounds} |")
+            lines += ["", "| comparison | p2pdiloco | hivemind | gap | |", "|---|---|---|---|---|"]
+            for c in hm["pairs"]:
+                gap = "-" if c["pct"] is None else f"{c['pct']:+.2f}%"
+                lines.append(f"| {c['what']} | {_num(c['p2pdiloco'])} | {_num(c['hivemind'])} | {gap} | "
+                             f"{'ahead' if c['ahead'] else 'NOT AHEAD'} |")
+            lines.append("")
         g = comps.get("gpu")
         if _opened(lines, g, "### gpu (2 small-gpu peers)"):
             mfu = ", ".join(f"{m:.1%}" for m in g["mfu"]) if g["mfu"] else "unknown peak"
@@ -205,7 +222,7 @@ def plot(results: dict, out: Path) -> list[str]:
         return []
     made = []
     for seed, comps in results["by_seed"].items():
-        for comp in ("quality", "ablation", "stragglers", "slowlinks", "hetero"):
+        for comp in ("quality", "ablation", "stragglers", "slowlinks", "hetero", "hivemind"):
             runs = (comps.get(comp) or {}).get("runs")
             if not runs:
                 continue

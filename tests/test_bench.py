@@ -110,3 +110,34 @@ def test_ablation_and_sweep_run_at_quick_size(tmp_path, corpus):
     assert (cell["outer_lr"], cell["outer_momentum"]) == (0.5, 0.9)
     md = (out / "results.md").read_text()
     assert "### ablation: mean over 1 seed(s)" in md and "### sweep" in md and "FAILED" not in md
+
+
+def test_hivemind_study_runs_at_quick_size(tmp_path, corpus):
+    """hivemind.Optimizer side by side with the swarm (scripts/hivemind_baseline.py under bench.py): real
+    hivemind peers on 127.0.0.1 average their parameters at each epoch's end, in groups of all of them;
+    a SIGKILLed peer does not stop the others; nothing outlives the benchmark. Paced (slowdown 10):
+    unpaced, a tiny epoch is shorter than a hivemind round and its epochs degenerate (the script's
+    tuning note)."""
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "hivemind", "--quick", "--set",
+                           "slowdown=10", "--out", str(out), "--data", str(corpus)],
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    study = json.loads((out / "results.json").read_text())["by_seed"]["0"]["hivemind"]
+    runs = study["runs"]
+    assert set(runs) == {"p2pdiloco", "hivemind", "p2pdiloco_kill", "hivemind_kill"}
+    hm = runs["hivemind"]
+    # 80 steps of 2 peers at H = 20: about 4 epochs; every round that returned held both peers
+    assert len(hm["epochs"]) == 2 and min(hm["epochs"]) >= 2, hm
+    assert all(sizes and set(sizes) == {2} for sizes in hm["group_sizes"]), hm
+    assert runs["hivemind_kill"]["killed"] == 1 and len(runs["hivemind_kill"]["epochs"]) == 1
+    assert runs["p2pdiloco_kill"]["killed"] == "b" and set(runs["p2pdiloco_kill"]["peers"]) == {"a"}
+    for name, run in runs.items():
+        assert run["final_eval"] is not None and run["final_eval"] < math.log(256), name
+        assert run["tokens"] > 0 and run["wall_s"] > 0 and run["curve"], name
+    assert [p["what"].split(",")[0].split(" (")[0] for p in study["pairs"]] == ["equal tokens", "equal wall time"] * 2
+    md = (out / "results.md").read_text()
+    assert "### hivemind.Optimizer" in md and "FAILED" not in md
+    assert (out / "hivemind-seed0.png").stat().st_size > 10_000
+    left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert left == [], left  # every worker, DHT and p2pd of the benchmark's runs is gone
