@@ -52,8 +52,8 @@ def test_a_source_leaves_mid_download_and_a_stop_interrupts_one(tmp_path, corpus
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert WHY in proc.stderr
         return
-    # 2 sources behind 20 Mbit/s each: a 62 MB state takes ~12 s, so the kill lands mid-download
-    r = scale.run_join("small", 2, 1, tmp_path / "peers", rate_mbit=20, data=str(corpus), leave=True, stop=True)
+    # 3 sources behind 20 Mbit/s each: a 62 MB state takes ~8 s, so the kill lands mid-download
+    r = scale.run_join("small", 3, 1, tmp_path / "peers", rate_mbit=20, data=str(corpus), leave=True, stop=True)
     (join,) = r["joins"]
     assert join["source_killed"] and join["exit_code"] == 0 and not join["traceback"], r
     assert join["download_s"] is not None and join["sources"] >= 2, r
