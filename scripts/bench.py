@@ -551,7 +551,9 @@ def summarize_ddp(name: str, result: dict, before, after) -> dict:
 def summarize_hivemind(name: str, result: dict) -> dict:
     """The hivemind run as the swarm's summary reads: final eval (the survivors' mean), tokens of every
     peer (a killed one's up to its last record), wall time from the first start line to the last step,
-    and the curve of every peer's epoch evaluations (its local model, as the epoch's round is in flight)."""
+    and the curve of every peer's epoch evaluations (its local model, as the epoch's round is in flight),
+    placed on the tokens axis at that peer's tokens x the number of peers (hivemind's peers keep about
+    the same pace: an epoch ends for all of them at once)."""
     finals = result["final"]
     records = [r for recs in result["ranks"] for r in recs]
     start = min(r["time"] for r in records if r["event"] == "start")
