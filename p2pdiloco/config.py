@@ -99,6 +99,10 @@ class Config:
                                    "the round and downloading a state; a peer too stale also catches up this way.")
     eager_outer: bool = _f(True, "Eager outer updates: while a round runs, train from the anchor that our own "
                                   "pseudo-gradient would give, corrected when the group's average arrives.")
+    eager_mix: bool = _f(False, "Experimental: the eager preview estimates the group's average as 1/N of our own "
+                                "pseudo-gradient plus (N-1)/N of the outer momentum's running mean, N the live "
+                                "peers (arXiv 2502.12996 mixes in the others' last average), instead of our "
+                                "own pseudo-gradient alone.")
     dynamic_inner_steps: bool = _f(False, "Scale inner_steps by this peer's speed over the swarm's mean (from the "
                                           "progress records), so that every peer is due at the same moment.")
     full_groups: bool = _f(True, "A group forms as soon as every live peer (by their progress records) has "

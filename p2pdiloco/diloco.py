@@ -67,13 +67,18 @@ def inner_lr_at(position: int, *, inner_lr: float, warmup_steps: int, total_step
 
 
 def preview_outer_step(anchor: torch.Tensor, momentum: torch.Tensor, pseudo_grad: torch.Tensor, *,
-                       outer_lr: float, outer_momentum: float) -> torch.Tensor:
-    """Where `outer_step_` would move the anchor with this pseudo-gradient, without moving it: the
-    eager update trains the round in flight from here, with its own pseudo-gradient standing in for
-    the group's average until that arrives (Kale et al., arXiv 2502.12996)."""
-    # anchor - outer_lr * (pseudo_grad + outer_momentum * (outer_momentum * momentum + pseudo_grad)), one allocation
-    out = momentum * (-outer_lr * outer_momentum * outer_momentum)
-    return out.add_(pseudo_grad, alpha=-outer_lr * (1 + outer_momentum)).add_(anchor)
+                       outer_lr: float, outer_momentum: float, own_share: float = 1.0) -> torch.Tensor:
+    """Where `outer_step_` would move the anchor with an estimate of the group's average, without
+    moving it: the eager update trains the round in flight from here until the average arrives
+    (Kale et al., arXiv 2502.12996). The estimate is own_share x our pseudo-gradient + (1 - own_share)
+    x the others' recent average; the paper takes the others' from the last round, we take the outer
+    momentum's running mean, (1 - mu) x momentum, which needs no extra copy of the model. own_share 1
+    (the default) is our pseudo-gradient alone."""
+    mu = outer_momentum
+    # with g = own_share * pseudo_grad + (1 - own_share) * (1 - mu) * momentum:
+    # anchor - outer_lr * (g + mu * (mu * momentum + g)), one allocation
+    out = momentum * (-outer_lr * (mu * mu + (1 + mu) * (1 - own_share) * (1 - mu)))
+    return out.add_(pseudo_grad, alpha=-outer_lr * (1 + mu) * own_share).add_(anchor)
 
 
 def anchors_differ(digests: list, tolerance: float) -> bool:

@@ -73,6 +73,7 @@ class PendingRound:
     started_at: float = 0.0  # time.monotonic() then
     formed_at_step: Optional[int] = None  # our inner step when the group formed (set from the round's thread)
     formed_at: Optional[float] = None     # time.monotonic() then
+    own_share: float = 1.0  # the eager preview's weight on our own pseudo-gradient (diloco.preview_outer_step)
 
 
 def _param_slices(model: torch.nn.Module, flat: torch.Tensor):
@@ -197,10 +198,12 @@ class SwarmRounds:
         if cfg.full_groups:  # everyone live is expected: the group forms once they are all in
             live = min(cfg.target_group_size, self.swarm_size)
             self.averager.set_target_group_size(live if live >= max(2, cfg.min_group_size) else cfg.target_group_size)
+        # eager_mix: our pseudo-gradient is about 1/N of the group's average, the others' come from momentum
+        own_share = 1.0 / max(1, min(cfg.target_group_size, self.swarm_size)) if cfg.eager_mix else 1.0
         if self.eager:  # train the round in flight from where the anchor will about be (arXiv 2502.12996)
             with torch.no_grad():
                 for param, part in _param_slices(self.model, delta):
-                    param.copy_(self._base(part, delta, eager=True).view_as(param))
+                    param.copy_(self._base(part, delta, eager=True, own_share=own_share).view_as(param))
             self._params_changed = True
         self.steps_since_round = 0
         outer_step = self.outer_step
@@ -210,7 +213,7 @@ class SwarmRounds:
             self.metrics.log("allreduce_started", outer_step=outer_step)
 
         pending = PendingRound(None, delta, self.eager, self.tokens_since_anchor, weight, age,
-                               start_step=self.inner_step, started_at=time.monotonic())
+                               start_step=self.inner_step, started_at=time.monotonic(), own_share=own_share)
         pending.future = self.rounds.start(sent, weight=weight, gather=gather, anchor=anchor, momentum=momentum,
                                            on_allreduce=formed)
         return pending
@@ -333,10 +336,11 @@ class SwarmRounds:
             with torch.no_grad():
                 for param, part in _param_slices(self.model, pending.delta):
                     snapshot = self._base(part, pending.delta, eager=False)
-                    param.add_((snapshot - self._base(part, pending.delta, eager=True)).view_as(param))
+                    preview = self._base(part, pending.delta, eager=True, own_share=pending.own_share)
+                    param.add_((snapshot - preview).view_as(param))
             self._params_changed = True
 
-    def _base(self, part: torch.Tensor, delta: torch.Tensor, *, eager: bool) -> torch.Tensor:
+    def _base(self, part: torch.Tensor, delta: torch.Tensor, *, eager: bool, own_share: float = 1.0) -> torch.Tensor:
         """The slice `part` (a view of `delta`) of what the local model trained from since the round
         started: the snapshot (anchor - delta), or the eager preview of the outer step."""
         start = part.storage_offset() - delta.storage_offset()
@@ -344,7 +348,7 @@ class SwarmRounds:
         if not eager:
             return self.anchor[sl] - part
         return diloco.preview_outer_step(self.anchor[sl], self.momentum[sl], part, outer_lr=self.cfg.outer_lr,
-                                         outer_momentum=self.cfg.outer_momentum)
+                                         outer_momentum=self.cfg.outer_momentum, own_share=own_share)
 
     def _local_progress(self, pending: PendingRound, *, out: torch.Tensor) -> torch.Tensor:
         """local - base into `out` (may be pending.delta itself, when it is no longer needed): the
@@ -353,7 +357,7 @@ class SwarmRounds:
         with torch.no_grad():
             for (param, part), (_, result) in zip(_param_slices(self.model, pending.delta),
                                                   _param_slices(self.model, out)):
-                base = self._base(part, pending.delta, eager=pending.eager)
+                base = self._base(part, pending.delta, eager=pending.eager, own_share=pending.own_share)
                 result.copy_(param.detach().reshape(-1).to(part.device, part.dtype) - base)
         return out
 

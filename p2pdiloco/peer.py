@@ -353,7 +353,8 @@ class Peer(SwarmRounds):
         self.due_steps = self.cfg.inner_steps  # inner steps per contribution (dynamic_inner_steps scales them)
         self.lead_steps, self.lead_s, self.last_wait_s = 0, 0.0, None  # matchmaking_lead (outer.py)
         if self.cfg.schedule and not self.cfg.sync_rounds:
-            self.clock = schedule.Clock(inner_steps=self.cfg.inner_steps, now=time.time(), inner_step=self.inner_step)
+            self.clock = schedule.Clock(inner_steps=self.cfg.inner_steps, now=time.time(), inner_step=self.inner_step,
+                                        window=self.cfg.matchmaking_time)
             if self.cfg.initial_peers and self.leader:  # a joiner enters the swarm's phase at its first round
                 self._check_swarm_outer_step()
         # eager outer updates need training while a round runs (not synchronous DiLoCo)

@@ -42,7 +42,11 @@ import math
 import statistics
 from typing import Optional
 
-PHASE_TOLERANCE = 0.1  # due times closer than this share of the period are one phase
+PHASE_TOLERANCE = 0.1  # due times closer than this share of the period are one phase ...
+# ... and closer than this share of the matchmaking window: peers further apart than that enter too far
+# apart to meet in one window. Paced peers (a period of 65 s, docs/benchmarks.md) were 3.5 s out of
+# phase, inside 10% of the period, and missed every round
+WINDOW_TOLERANCE = 0.25
 
 
 def _number(x) -> bool:
@@ -60,12 +64,13 @@ def agreed(members: list[dict], *, inner_steps: int) -> Optional[tuple[float, fl
     return statistics.median(dues) + period, period
 
 
-def swarm_phase(records: dict, *, now: float, tolerance: float = PHASE_TOLERANCE) -> Optional[tuple[float, float]]:
+def swarm_phase(records: dict, *, now: float, tolerance: float = PHASE_TOLERANCE,
+                max_gap: float = math.inf) -> Optional[tuple[float, float]]:
     """(next due time >= now, period) of the phase that most live peers hold, from their progress
     records (peer id -> record with `due` and `period`); None if no record has one. Each record's
     due time is carried forward by whole periods to the first one after now (records are up to a
     log interval old); two peers hold the same phase when those times are within tolerance x period
-    of each other, on the circle of one period."""
+    (and max_gap seconds) of each other, on the circle of one period."""
     phases = []
     for peer, record in sorted(records.items()):
         due, period = record.get("due"), record.get("period")
@@ -80,7 +85,7 @@ def swarm_phase(records: dict, *, now: float, tolerance: float = PHASE_TOLERANCE
         count = 0
         for _, other, _ in phases:
             gap = (other - due) % period
-            count += min(gap, period - gap) <= tolerance * period
+            count += min(gap, period - gap) <= min(tolerance * period, max_gap)
         return count
 
     # most holders; on a tie, the smallest peer id (phases are sorted by peer id, max keeps the first)
@@ -97,8 +102,9 @@ class Clock:
     peer may be out of it (`in_phase` False). Before the first formed group there is no schedule.
     """
 
-    def __init__(self, *, inner_steps: int, now: float, inner_step: int):
+    def __init__(self, *, inner_steps: int, now: float, inner_step: int, window: float = math.inf):
         self.inner_steps = inner_steps  # H: a peer of the group's median speed contributes this many steps
+        self.max_gap = WINDOW_TOLERANCE * window  # seconds: entries further apart than this may not meet
         self.due: Optional[float] = None      # wall-clock time of our next entry
         self.period: Optional[float] = None   # seconds between the swarm's rounds
         self.in_phase = False                 # False: take the swarm's phase at the next progress read
@@ -147,14 +153,14 @@ class Clock:
 
     def adopt(self, records: dict, *, now: float) -> bool:
         """Take the phase that most live peers hold (their progress records); True if ours moved."""
-        phase = swarm_phase(records, now=now)
+        phase = swarm_phase(records, now=now, max_gap=self.max_gap)
         if phase is None:
             return False
         due, period = phase
         self.in_phase = True
         if self.due is not None and self.period is not None:
             gap = (due - self.due) % period
-            if min(gap, period - gap) <= PHASE_TOLERANCE * period:
+            if min(gap, period - gap) <= min(PHASE_TOLERANCE * period, self.max_gap):
                 return False  # already in it
         self.due, self.period = due, period
         return True

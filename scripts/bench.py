@@ -71,7 +71,7 @@ class Size:
 
 SIZES = {
     "default": Size(peers=4, steps=1500, duration=150.0, eval_batches=16, parallel=1, inner_steps=50),
-    "quick": Size(peers=2, steps=80, duration=20.0, eval_batches=2, parallel=8, inner_steps=20, overhead_factor=2,
+    "quick": Size(peers=2, steps=80, duration=14.0, eval_batches=2, parallel=8, inner_steps=20, overhead_factor=1,
                   pace=3.0, sweep_grid=((0.5, 0.9), (1.0, 0.6))),
     # 120 outer steps of synchronous DiLoCo at H=50: long enough that DiLoCo's outer loop, not the budget, decides
     "long": Size(peers=4, steps=6000, duration=600.0, eval_batches=16, parallel=1, inner_steps=50),
@@ -91,6 +91,7 @@ VARIANTS = {
     "no_eager": {**DEFAULTS, "eager_outer": False},
     "all_dynamic": {**DEFAULTS, "dynamic_inner_steps": True},
     "all_share": {**DEFAULTS, "group_share": True},
+    "all_mix": {**DEFAULTS, "eager_mix": True},
 }
 
 
@@ -374,7 +375,8 @@ class Bench:
         falls as rounds get rarer."""
         pair = Bench(self.out, replace(self.size, peers=2), seed=self.seed, data=self.data)
         by_h = {}
-        for H in (self.size.inner_steps, self.size.overhead_factor * self.size.inner_steps):
+        # overhead_factor 1 (the quick size): H only
+        for H in dict.fromkeys((self.size.inner_steps, self.size.overhead_factor * self.size.inner_steps)):
             steps = max(self.size.steps, 3 * H)
             base = {**self.common(steps), "max_inner_steps": steps, "eval_batches": 1, "eval_every": 10**6,
                     "inner_steps": H}
@@ -484,7 +486,22 @@ def summarize_swarm(name: str, records: dict, before, after, slowdowns: dict) ->
                anchor_spread=anchor_spread_over_time(records),
                # inner steps behind each applied contribution (the schedule's target: inner_steps, +-10%)
                contribution_steps=quantiles(contributions))
+    killed = [recs for peer, recs in records.items() if peer not in peers and recs]
+    if killed:  # back in phase: rounds each survivor took after the kill until one held every survivor
+        out["rounds_to_full_after_kill"] = rounds_to_full(records, set(peers), max(r["time"] for r in killed[0]))
     out.update(_wire(before, after, steps))
+    return out
+
+
+def rounds_to_full(records: dict, survivors: set, kill_t: float) -> dict:
+    """Per survivor: its rounds (applied or failed) after kill_t up to and including the first applied
+    one that held every survivor (None: none did). The kill time is the dead peer's last record, so
+    a round already running then may count too."""
+    out = {}
+    for peer in sorted(survivors):
+        rounds = [r for r in records[peer] if r["event"] in ("outer", "round_failed") and r["time"] > kill_t]
+        out[peer] = next((i for i, r in enumerate(rounds, start=1)
+                          if r["event"] == "outer" and r["group_size"] >= len(survivors)), None)
     return out
 
 
@@ -678,6 +695,9 @@ def main(argv=None) -> int:
     parser.add_argument("--data", default="", help="corpus file (default: the bundled Shakespeare corpus)")
     parser.add_argument("--steps", type=int, default=0, help="override the size's inner steps per peer")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parallel", type=int, default=0,
+                        help="runs of one comparison at once (default: the size's; paced runs sleep most of the "
+                             "time, so several at once keep their timing)")
     parser.add_argument("--overrides", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--preset", default=PRESET, help=argparse.SUPPRESS)
     parser.add_argument("--duration", type=float, default=0, help="gpu: seconds of training (default 180)")
@@ -705,6 +725,8 @@ def main(argv=None) -> int:
         size = replace(size, steps=args.steps)
     if args.duration:
         size = replace(size, duration=args.duration)
+    if args.parallel:
+        size = replace(size, parallel=args.parallel)
     out = Path(args.out or tempfile.mkdtemp(prefix="p2pdiloco-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     names = COMPARISONS if "all" in args.comparison else tuple(dict.fromkeys(args.comparison))

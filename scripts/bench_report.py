@@ -190,6 +190,10 @@ def report(results: dict, out: Path) -> str:
                     rounds = f"epochs {r['epochs']}, averaged {r['rounds_averaged']}, failed {r['rounds_failed']}"
                 else:
                     rounds = f"{statistics.mean(p['outer_steps_applied'] for p in r['peers'].values()):.1f}/peer"
+                    if "rounds_to_full_after_kill" in r:  # None: no round after the kill held every survivor
+                        back = ", ".join(f"{k} {v if v is not None else 'never'}"
+                                         for k, v in r["rounds_to_full_after_kill"].items())
+                        rounds += f"; rounds after the kill until one held every survivor: {back}"
                 lines.append(f"| {r['name']} | {_num(r['final_eval'])} | {r['tokens']} | {r['wall_s']:.0f} | "
                              f"{rounds} |")
             lines += ["", "| comparison | p2pdiloco | hivemind | gap | |", "|---|---|---|---|---|"]

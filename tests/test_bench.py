@@ -132,6 +132,9 @@ def test_hivemind_study_runs_at_quick_size(tmp_path, corpus):
     assert all(sizes and set(sizes) == {2} for sizes in hm["group_sizes"]), hm
     assert runs["hivemind_kill"]["killed"] == 1 and len(runs["hivemind_kill"]["epochs"]) == 1
     assert runs["p2pdiloco_kill"]["killed"] == "b" and set(runs["p2pdiloco_kill"]["peers"]) == {"a"}
+    back = runs["p2pdiloco_kill"]["rounds_to_full_after_kill"]  # a lone survivor holds every survivor
+    assert set(back) == {"a"} and (back["a"] is None or back["a"] >= 1), back
+    assert "rounds_to_full_after_kill" not in runs["p2pdiloco"]
     for name, run in runs.items():
         assert run["final_eval"] is not None and math.isfinite(run["final_eval"]), name
         assert run["tokens"] > 0 and run["wall_s"] > 0 and run["curve"], name
@@ -145,3 +148,17 @@ def test_hivemind_study_runs_at_quick_size(tmp_path, corpus):
     assert (out / "hivemind-seed0.png").stat().st_size > 10_000
     left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
     assert left == [], left  # every worker, DHT and p2pd of the benchmark's runs is gone
+
+
+def test_rounds_to_full_counts_rounds_after_the_kill_until_one_holds_every_survivor():
+    from bench import rounds_to_full
+
+    def outer(t, size):
+        return {"event": "outer", "time": t, "group_size": size}
+
+    records = {"a": [outer(1, 3), {"event": "round_failed", "time": 12}, outer(13, 1), outer(14, 2)],
+               "b": [outer(1, 3), outer(11, 1), outer(14, 2)],
+               "c": [outer(1, 3)]}
+    # c died at t=10: a's third round after it (one failed, one alone) held a and b, b's second
+    assert rounds_to_full(records, {"a", "b"}, kill_t=10) == {"a": 3, "b": 2}
+    assert rounds_to_full(records, {"a", "b"}, kill_t=14) == {"a": None, "b": None}

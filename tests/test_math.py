@@ -420,6 +420,24 @@ def test_preview_outer_step_is_the_step_outer_step_would_take():
     assert_close(momentum, torch.randn(300, generator=_gen(41)))
 
 
+def test_mixed_preview_is_the_step_with_the_mixed_estimate():
+    """eager_mix: the preview is the outer step with own_share x our pseudo-gradient + the rest from the
+    momentum's running mean; own_share 1 is the plain preview."""
+    anchor, momentum = torch.randn(300, generator=_gen(47)), torch.randn(300, generator=_gen(48))
+    g = torch.randn(300, generator=_gen(49))
+    share = 0.25
+    preview = diloco.preview_outer_step(anchor, momentum, g, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
+                                        own_share=share)
+    estimate = share * g + (1 - share) * (1 - OUTER_MOMENTUM) * momentum
+    a, m = anchor.clone(), momentum.clone()
+    diloco.outer_step_(a, m, estimate, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
+    assert_close(preview, a)
+    plain = diloco.preview_outer_step(anchor, momentum, g, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
+    assert_close(diloco.preview_outer_step(anchor, momentum, g, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
+                                           own_share=1.0), plain)
+    assert not torch.allclose(preview, plain)
+
+
 def test_eager_correction_lands_where_a_late_merge_would():
     """Training from the preview and moving the progress onto the real new anchor afterwards leaves
     the same weights as training from the snapshot and merging (the progress is kept either way)."""

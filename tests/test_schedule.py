@@ -86,6 +86,26 @@ def test_clock_alone_keeps_its_period_and_adopts_the_swarms_phase():
     assert not clock.adopt(others, now=6.6)  # already in it
 
 
+def test_with_a_long_period_a_few_seconds_off_is_out_of_phase():
+    """Paced peers (65 s periods): 3.5 s is within 10% of the period but a peer that enters 3.5 s after
+    the others misses their group (matchmaking window 2 s); the window bounds what counts as one phase."""
+    clock = Clock(inner_steps=50, now=0.0, inner_step=0, window=2.0)
+    clock.after_round([{"due": 0.0, "speed": 50 / 65}] * 2, full=False)   # due 65.0, every 65 s
+    others = {"x": {"due": 61.5, "period": 65.0}, "y": {"due": 61.5, "period": 65.0}, "me": clock.record()}
+    assert clock.adopt(others, now=10.0)
+    assert clock.due == pytest.approx(61.5)
+    assert not clock.adopt({**others, "x": {"due": 61.9, "period": 65.0}}, now=10.0)  # 0.4 s: one phase
+    # without a window (the default) the share of the period decides, as before
+    old = Clock(inner_steps=50, now=0.0, inner_step=0)
+    old.after_round([{"due": 0.0, "speed": 50 / 65}] * 2, full=False)
+    assert not old.adopt(others, now=10.0)
+    records = {"a": {"due": 61.5, "period": 65.0}, "b": {"due": 65.0, "period": 65.0},
+               "c": {"due": 65.0, "period": 65.0}, "d": {"due": 61.5, "period": 65.0}}
+    assert swarm_phase(records, now=10.0) == pytest.approx((61.5, 65.0))      # 3.5 s apart: one phase of 4
+    assert swarm_phase({**records, "e": {"due": 65.0, "period": 65.0}}, now=10.0, max_gap=0.5) == pytest.approx(
+        (65.0, 65.0))                                                          # two phases: 3 hold 65.0
+
+
 def test_a_joiner_without_a_schedule_adopts_the_swarms():
     clock = Clock(inner_steps=50, now=50.0, inner_step=0)
     assert not clock.adopt({"x": {"due": None}}, now=50.0)
