@@ -66,13 +66,15 @@ class Size:
     overhead_factor: int = 10  # the overhead comparison runs H and this many times H
     sweep_grid: tuple = ()  # (outer lr, outer momentum) cells of `sweep`; () = the whole grid below
     pace: float = 1.0   # quality runs: every peer sleeps to this slowdown (sleeping costs no CPU), so that on
-                        # a crowded machine a peer's 80 steps still span several rounds of the other's
+                        # a crowded machine a peer's 60 steps still span several rounds of the other's
 
 
 SIZES = {
     "default": Size(peers=4, steps=1500, duration=150.0, eval_batches=16, parallel=1, inner_steps=50),
-    "quick": Size(peers=2, steps=80, duration=14.0, eval_batches=2, parallel=8, inner_steps=20, overhead_factor=1,
-                  pace=3.0, sweep_grid=((0.5, 0.9), (1.0, 0.6))),
+    # the suite's size: 4 rounds of H = 15; one sweep cell off the preset (the preset's own cell is the
+    # ablation's "all" run)
+    "quick": Size(peers=2, steps=60, duration=14.0, eval_batches=2, parallel=8, inner_steps=15, overhead_factor=1,
+                  pace=3.0, sweep_grid=((0.5, 0.9),)),
     # 120 outer steps of synchronous DiLoCo at H=50: long enough that DiLoCo's outer loop, not the budget, decides
     "long": Size(peers=4, steps=6000, duration=600.0, eval_batches=16, parallel=1, inner_steps=50),
 }

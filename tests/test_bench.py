@@ -35,7 +35,7 @@ def test_every_comparison_runs_at_quick_size(tmp_path, corpus):
     for run in quality.values():
         assert math.isfinite(run["final_eval"]) and run["final_eval"] < math.log(256), run["name"]
         assert run["tokens"] > 0
-    # every mode took part in rounds (the quick size has H = 20 and 80 steps per peer)
+    # every mode took part in rounds (the quick size has H = 15 and 60 steps per peer)
     for name in ("sync_h50", "decoupled_h50", "decoupled_h50_int8", "decoupled_h50_int4", "per_contribution_h50"):
         assert any(p["outer_steps_applied"] > 0 for p in quality[name]["peers"].values()), name
 
@@ -89,7 +89,7 @@ def test_ablation_and_sweep_run_at_quick_size(tmp_path, corpus):
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     comps = json.loads((out / "results.json").read_text())["by_seed"]["0"]
     ablation = comps["ablation"]
-    assert set(ablation["runs"]) == {"ddp", "sync_h20", "sync_h40", "all_h20", "all_h40"}
+    assert set(ablation["runs"]) == {"ddp", "sync_h15", "sync_h30", "all_h15", "all_h30"}
     assert ablation["variants"]["all"] == {"merge_anchors": True, "full_groups": True, "matchmaking_lead": False,
                                            "eager_outer": True, "dynamic_inner_steps": False, "schedule": True}
     from bench import variant
@@ -100,12 +100,12 @@ def test_ablation_and_sweep_run_at_quick_size(tmp_path, corpus):
         assert math.isfinite(run["final_eval"]) and run["final_eval"] < math.log(256), name
         if name != "ddp":
             assert 0 <= run["full_group_fraction"] <= 1 and run["resyncs"] >= 0 and run["merges"] >= 0, name
-    assert {g["what"] for g in ablation["gaps_pct"]} >= {"all_h20 vs sync_h20", "sync_h40 vs ddp"}
+    assert {g["what"] for g in ablation["gaps_pct"]} >= {"all_h15 vs sync_h15", "sync_h30 vs ddp"}
     # the baseline runs at its own tuned outer optimizer, the swarm at the preset's (since the schedule: the same)
-    assert (ablation["runs"]["sync_h20"]["outer_lr"], ablation["runs"]["sync_h20"]["outer_momentum"]) == (1.0, 0.6)
-    assert (ablation["runs"]["all_h20"]["outer_lr"], ablation["runs"]["all_h20"]["outer_momentum"]) == (1.0, 0.6)
+    assert (ablation["runs"]["sync_h15"]["outer_lr"], ablation["runs"]["sync_h15"]["outer_momentum"]) == (1.0, 0.6)
+    assert (ablation["runs"]["all_h15"]["outer_lr"], ablation["runs"]["all_h15"]["outer_momentum"]) == (1.0, 0.6)
     sweep = comps["sweep"]
-    assert len(sweep["runs"]) == 4 and set(sweep["best"]) == {"sync", "decoupled"}  # the quick size's 2 cells
+    assert len(sweep["runs"]) == 2 and set(sweep["best"]) == {"sync", "decoupled"}  # the quick size's 1 cell
     cell = sweep["runs"]["sync_lr0p5_m0p9"]
     assert (cell["outer_lr"], cell["outer_momentum"]) == (0.5, 0.9)
     md = (out / "results.md").read_text()
@@ -127,7 +127,7 @@ def test_hivemind_study_runs_at_quick_size(tmp_path, corpus):
     runs = study["runs"]
     assert set(runs) == {"p2pdiloco", "hivemind", "p2pdiloco_kill", "hivemind_kill"}
     hm = runs["hivemind"]
-    # 80 steps of 2 peers at H = 20: about 4 epochs; every round that returned held both peers
+    # 60 steps of 2 peers at H = 15: about 4 epochs; every round that returned held both peers
     assert len(hm["epochs"]) == 2 and min(hm["epochs"]) >= 2, hm
     assert all(sizes and set(sizes) == {2} for sizes in hm["group_sizes"]), hm
     assert runs["hivemind_kill"]["killed"] == 1 and len(runs["hivemind_kill"]["epochs"]) == 1
