@@ -68,6 +68,7 @@ OPERATOR_COMMANDS = [
     ("status", "p2pdiloco.status", "Print the live peers of a run (joins the DHT as a client only)."),
     ("monitor", "p2pdiloco.monitor", "Serve a live web dashboard of a run."),
     ("plot", "p2pdiloco.plot", "Plot the metrics of one or more --log-dir directories into a PNG."),
+    ("prepare", "p2pdiloco.data.prepare", "Tokenize text into token shards and a manifest for join --data."),
 ]
 
 

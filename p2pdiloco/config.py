@@ -59,8 +59,8 @@ class Config:
     n_layer: int = _f(2, "Transformer blocks.")
     n_head: int = _f(4, "Attention heads per block.")
     n_embd: int = _f(64, "Embedding width.")
-    block_size: int = _f(64, "Context length in bytes.")
-    vocab_size: int = _f(256, "Vocabulary size; 256 for the byte-level tokenizer.")
+    block_size: int = _f(64, "Context length in tokens (bytes for text data).")
+    vocab_size: int = _f(0, "Vocabulary size; 0 = the data's: its manifest's for prepared tokens, 256 for bytes.")
     dropout: float = _f(0.0, "Dropout probability inside the model.")
     hf_config: str = _f("", "A Hugging Face transformers model config (JSON file; relative paths are read next to "
                             "the preset) built with AutoModelForCausalLM.from_config instead of the built-in GPT; "
@@ -69,7 +69,8 @@ class Config:
                                   "names and shapes, part of the run's fingerprint.")
 
     # --- data ----------------------------------------------------------------------------
-    data: str = _f("", "Text file or directory of .txt files to train on; empty = the bundled Shakespeare corpus.")
+    data: str = _f("", "A directory made by `p2pdiloco prepare` (token shards and manifest.json), or a text file or "
+                       "directory of .txt files trained on as bytes; empty = the bundled Shakespeare corpus.")
     eval_fraction: float = _f(0.05, "Fraction of the corpus held out for evaluation (the same for every peer).")
     batch_size: int = _f(16, "Sequences per inner step.")
 
@@ -185,6 +186,15 @@ class Config:
 
         need(re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.run_id) is not None,
              f"run_id must be 1-64 letters, digits, '-' or '_', got {self.run_id!r}")
+        for key in PATH_KEYS:  # presets may name files under ~ (the volunteer's identity and checkpoints)
+            if getattr(self, key):
+                setattr(self, key, os.path.expanduser(getattr(self, key)))
+        self._manifest = _read_data_manifest(self.data)
+        data_vocab = self._manifest.vocab_size if self._manifest else 256
+        need(self.vocab_size >= 0, f"vocab_size must be >= 0, got {self.vocab_size}")
+        self.vocab_size = self.vocab_size or data_vocab
+        need(self.vocab_size >= data_vocab, f"vocab_size {self.vocab_size} is smaller than the data's vocabulary "
+                                            f"({data_vocab}): leave vocab_size at 0 to take the data's")
         for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "inner_steps",
                     "target_group_size", "min_group_size", "eval_batches", "eval_every", "checkpoint_every"):
             need(getattr(self, key) >= 1, f"{key} must be >= 1, got {getattr(self, key)}")
@@ -223,9 +233,6 @@ class Config:
             for addr in value:
                 check_multiaddr(addr, key)
         need(len(self.host_maddrs) > 0, "host_maddrs must not be empty")
-        for key in PATH_KEYS:  # presets may name files under ~ (the volunteer's identity and checkpoints)
-            if getattr(self, key):
-                setattr(self, key, os.path.expanduser(getattr(self, key)))
         if self.initial_peers_file:  # merged here, so that every reader of initial_peers sees them
             self.initial_peers = list(dict.fromkeys([*self.initial_peers, *read_peers_file(self.initial_peers_file)]))
         # the parsed HF config: read once, so the fingerprint and the model come from the same bytes
@@ -288,6 +295,8 @@ class Config:
             shared.update(compression=self.compression, outer_apply=self.outer_apply)
         if not self.merge_anchors:  # the averaged buffer has another shape: such peers cannot meet
             shared.update(merge_anchors=False)
+        if self._manifest is not None:  # prepared tokens: the same tokenizer and shards on every peer
+            shared.update(data=self._manifest.digest[:16])
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:12]
 
     @property
@@ -342,6 +351,18 @@ def _expand(value: str, *, base: Path) -> Path:
     return path if path.is_absolute() else (base / path).absolute()
 
 
+def _read_data_manifest(data: str):
+    """The manifest when `data` is a prepared directory (None for text); a bad one is a ConfigError."""
+    if not data or not os.path.isdir(data) or not os.path.exists(os.path.join(data, "manifest.json")):
+        return None
+    from p2pdiloco.data.manifest import ManifestError, read_manifest
+
+    try:
+        return read_manifest(data)
+    except ManifestError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _read_hf_json(path: str, vocab_size: int, block_size: int) -> dict[str, Any]:
     """Read and check an `hf_config` file without importing transformers (hf.py checks the rest)."""
     try:
@@ -355,7 +376,7 @@ def _read_hf_json(path: str, vocab_size: int, block_size: int) -> dict[str, Any]
     if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
         raise ConfigError(f'hf_config {path} must be a JSON object with a "model_type" string')
     if "vocab_size" in raw and raw["vocab_size"] != vocab_size:
-        raise ConfigError(f"hf_config {path}: vocab_size is {raw['vocab_size']!r}, the byte data needs "
+        raise ConfigError(f"hf_config {path}: vocab_size is {raw['vocab_size']!r}, the data needs "
                           f"vocab_size = {vocab_size}")
     max_pos = raw.get("max_position_embeddings")
     if max_pos is not None and not (isinstance(max_pos, int) and max_pos >= block_size):

@@ -3,8 +3,8 @@
 `hf_config` names a JSON file in the format of a hub `config.json` (at least `model_type`, plus
 the keys of that model's config class). The model is built with
 `AutoModelForCausalLM.from_config`: random init from the run's seed, no weights and nothing
-fetched from the hub. It sees our byte data, so `vocab_size` must be 256 and
-`max_position_embeddings` at least `block_size`.
+fetched from the hub. Its `vocab_size` must be the data's (256 for bytes, the manifest's for
+prepared tokens) and `max_position_embeddings` at least `block_size`.
 
     >>> cfg = Config.from_sources("peers/tiny-llama.toml")   # hf_config = "hf/tiny-llama.json"
     >>> model = build_hf_model(cfg)
@@ -66,7 +66,7 @@ def build_hf_model(cfg) -> nn.Module:
         raise ConfigError(f"{where}: unknown key(s) for model_type {model_type!r}: {', '.join(unknown)}")
     vocab = getattr(hf_cfg, "vocab_size", None)
     if vocab != cfg.vocab_size:
-        raise ConfigError(f"{where}: vocab_size is {vocab!r}, the byte data needs vocab_size = {cfg.vocab_size}")
+        raise ConfigError(f"{where}: vocab_size is {vocab!r}, the data needs vocab_size = {cfg.vocab_size}")
     max_pos = getattr(hf_cfg, "max_position_embeddings", None)
     if max_pos is not None and max_pos < cfg.block_size:
         raise ConfigError(f"{where}: max_position_embeddings ({max_pos}) must be >= block_size ({cfg.block_size})")

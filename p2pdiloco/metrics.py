@@ -1,17 +1,19 @@
 """Metrics: one JSON object per line in `LOG_DIR/metrics.jsonl`, plus a human status line.
 
 Events (the contract documented in the README):
-    inner        every log interval: inner_step, outer_step, loss, tokens, tokens_per_s, compute_s
+    inner        every log interval: inner_step, outer_step, loss, tokens, tokens_per_s, compute_s, data_s
     outer        each applied outer step: outer_step, group_size, share, weight, staleness, round_s,
-                 bytes_sent, bytes_recv, eval_loss, anchor_spread
+                 bytes_sent, bytes_recv, eval_loss, eval_bpb (bits per byte of text), anchor_spread
     join         after a state download: loaded_outer_step, download_s
     round_failed a discarded round: reason
     resync       a state reload after divergence or staleness: reason, loaded_outer_step
     allreduce_started  the group formed and the all-reduce began: outer_step
     bad_contribution   our reducer excluded or clipped a sender's parts: sender, reason
     resume       restarted from a checkpoint: outer_step, inner_step
+    data         a range of claimed windows read (prepared tokens): epoch, shard, start, end (cursors)
     checkpoint_failed  a checkpoint write failed (the previous one is kept): reason
-    final        at a clean stop: inner_step, outer_step, eval_loss, tokens, compute_s, wall_s, final_wait_s
+    final        at a clean stop: inner_step, outer_step, eval_loss, eval_bpb, tokens, compute_s, data_s,
+                 wall_s, final_wait_s
 
 The inner and outer scalars also go to TensorBoard and W&B when asked for (sinks.py). A sink that
 fails while training logs one warning and is dropped; metrics.jsonl and training go on.

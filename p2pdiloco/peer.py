@@ -29,7 +29,9 @@ import torch
 
 from p2pdiloco import bootstrap, checkpoint, diloco, reachability, schedule, sinks, state, swarm
 from p2pdiloco.averaging import DilocoAverager, RoundRunner, quiet_lonely_rounds
+from p2pdiloco.config import ConfigError
 from p2pdiloco.data import load_data
+from p2pdiloco.data.claims import ShardClaims
 from p2pdiloco.metrics import Metrics
 from p2pdiloco.model import build_model, flat_params, load_flat_, num_params
 from p2pdiloco.outer import PendingRound, SwarmRounds
@@ -41,7 +43,23 @@ logger = logging.getLogger(__name__)
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda":
+        check_cuda(device, name)
+    return device
+
+
+def check_cuda(device: torch.device, name: str) -> None:
+    """A ConfigError (one line, exit 2) for a CUDA device this machine does not have."""
+    if not torch.cuda.is_available():
+        why = ("this torch is a CPU-only build" if torch.version.cuda is None
+               else "torch sees no CUDA GPU (driver, CUDA_VISIBLE_DEVICES)")
+        raise ConfigError(f"device {name!r}: {why} (torch {torch.__version__}): install a CUDA build of torch "
+                          f"(https://pytorch.org/get-started) or pass --device cpu")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise ConfigError(f"device {name!r}: this machine has {count} CUDA device{'s' * (count != 1)} "
+                          f"(cuda:0{f' .. cuda:{count - 1}' if count > 1 else ''}): pick one of them or --device cpu")
 
 
 def fixed_mmap_threshold(nbytes: int = 1 << 20) -> None:
@@ -78,6 +96,7 @@ class Peer(SwarmRounds):
         self.outer_step = 0
         self.inner_step = 0
         self.dht = self.averager = self.rounds = self.metrics = None
+        self.claims = None  # data/claims.py, for prepared tokens
         self.pending = None
         self._progress_reading, self._progress_read_at = None, -math.inf
         self.model, self.opt, self.eval_fn = model, inner_opt, eval_fn
@@ -132,6 +151,7 @@ class Peer(SwarmRounds):
         self.shared = state.SharedState(self.numel, shared=self.leader)
         if self.leader:
             self._start_network()
+        self._claim_data()
         self._build_training(own_model)
         if not self.leader:  # the other ranks of a torchrun peer train; only rank 0 joins the swarm
             self.metrics = Metrics(None, f"rank{self.ranks.rank}", quiet=True)
@@ -166,6 +186,23 @@ class Peer(SwarmRounds):
         # again: hivemind's averager sets SIGINT to ignored when it starts
         if self.handle_signals:
             self._install_signal_handlers()
+
+    def _claim_data(self) -> None:
+        """Prepared tokens, one peer per shard: claims through the DHT (data/claims.py). Text data,
+        and the other ranks of a torchrun peer, read random windows in their own order."""
+        self.claims = None
+        if not self.leader or getattr(getattr(self, "data", None), "claimable", None) is None:
+            return
+        try:
+            live = swarm.read_progress(self.dht, self.cfg, timeout=self.cfg.request_timeout)
+        except TimeoutError:
+            live = {}
+        epochs = [r["data"]["epoch"] for r in live.values() if isinstance(r.get("data"), dict)
+                  and isinstance(r["data"].get("epoch"), int)]
+        self.claims = ShardClaims(self.dht, self.cfg, shards=self.data.claimable(), peer_id=self.peer_id,
+                                  on_range=lambda **r: self.metrics.log("data", **r),
+                                  start_epoch=min(epochs) if epochs else 0)
+        self.data.order = self.claims
 
     def _build_training(self, own_model: bool) -> None:
         """Checkpoint, data, model, inner optimizer, anchor and outer momentum."""
@@ -256,6 +293,8 @@ class Peer(SwarmRounds):
             self.momentum.copy_(payload["momentum"].reshape(-1))
             self.outer_step = int(payload["outer_step"])
         self.inner_step = int(payload.get("inner_step", 0))
+        if self.claims is not None and isinstance(payload.get("data_order"), dict):
+            self.claims.restore(payload["data_order"])
         load_flat_(self.model, payload["local"].float())
         try:
             self.opt.load_state_dict(payload["inner_opt"])
@@ -270,7 +309,8 @@ class Peer(SwarmRounds):
                        "outer_step": self.outer_step, "anchor": self.anchor,
                        "momentum": self.momentum}  # no copies: only this thread changes them, and it is saving
         payload.update(inner_step=self.inner_step, local=flat_params(self.model),
-                       inner_opt=self.opt.state_dict(), peer=self.peer_id)
+                       inner_opt=self.opt.state_dict(), peer=self.peer_id,
+                       data_order=self.claims.state() if self.claims is not None else None)
         try:
             checkpoint.save_checkpoint(self.cfg.checkpoint_dir, payload, outer_step=self.outer_step)
         except OSError as e:  # disk full, dir removed...: keep training, the previous checkpoint stays
@@ -363,6 +403,7 @@ class Peer(SwarmRounds):
         self.pending: Optional[PendingRound] = None
         self.t_start = self._last_log = self._last_step = time.monotonic()
         self.compute_s = 0.0  # inside forward, backward and the optimizer step: the utilization numerator
+        self.data_s = 0.0  # waiting for the next batch
         self._loss_sum, self._loss_n, self._tokens_at_log = 0.0, 0, 0
         self.last_loss = math.nan
 
@@ -388,8 +429,10 @@ class Peer(SwarmRounds):
                                     total_steps=cfg.total_steps, min_lr_ratio=cfg.min_lr_ratio)
             for group in self.opt.param_groups:
                 group["lr"] = lr
+            t_data = time.perf_counter()
             x, y = (t.to(self.device, non_blocking=True) for t in self.data.train_batch(cfg.batch_size, self.gen))
             t_compute = time.perf_counter()
+            self.data_s += t_compute - t_data
             with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 loss = model(x, y)
             loss.backward()
@@ -471,8 +514,11 @@ class Peer(SwarmRounds):
             extra = dict(ranks=self.ranks.world_size, rank_spread=self.ranks.spread(self.model))
         if not self.leader:
             return
-        self.metrics.log("final", inner_step=self.inner_step, outer_step=self.outer_step, eval_loss=self._evaluate(),
-                         tokens=self.tokens, compute_s=self.compute_s, wall_s=wall_s,
+        if self.claims is not None:
+            self.claims.release()
+        eval_loss = self._evaluate()
+        self.metrics.log("final", inner_step=self.inner_step, outer_step=self.outer_step, eval_loss=eval_loss,
+                         eval_bpb=self.bits_per_byte(eval_loss), tokens=self.tokens, data_s=self.data_s, compute_s=self.compute_s, wall_s=wall_s,
                          final_wait_s=time.monotonic() - self.t_start - wall_s, **extra)
         self._save_checkpoint()
 
@@ -495,12 +541,15 @@ class Peer(SwarmRounds):
 
     def _log_inner(self, tokens_per_s: float) -> None:
         self.metrics.log("inner", inner_step=self.inner_step, outer_step=self.outer_step, loss=self.last_loss,
-                         tokens=self.tokens, tokens_per_s=tokens_per_s, compute_s=self.compute_s)
+                         tokens=self.tokens, tokens_per_s=tokens_per_s, compute_s=self.compute_s, data_s=self.data_s,
+                         **({"data": self.claims.position()} if self.claims is not None else {}))
         self.metrics.status(f"[{self.peer_id[-6:]}] step {self.inner_step:6d}  outer {self.outer_step:4d}  "
                             f"loss {self.last_loss:6.3f}  {tokens_per_s:8.0f} tok/s")
         if time.monotonic() - self._announced > 60:
             swarm.announce_config(self.dht, self.cfg)
             self._announced = time.monotonic()
+        if self.claims is not None:
+            self.claims.renew()
         swarm.publish_progress(self.dht, self.cfg, self._progress_record(tokens_per_s))
         self._refresh_swarm_outer_step()
 
@@ -511,7 +560,13 @@ class Peer(SwarmRounds):
                 "maddrs": self.maddrs[:4], "reachability": self.reach.mode,
                 "group_size": self.last_group_size, "rounds_applied": self.rounds_applied,
                 "rounds_failed": self.rounds_failed, "eval_loss": self.last_eval_loss, "time": time.time(),
+                **({"data": self.claims.position()} if self.claims is not None else {}),
                 **(self.clock.record() if self.clock else {})}
+
+    def bits_per_byte(self, loss: Optional[float]) -> Optional[float]:
+        """A held-out loss in bits per byte of text (None without our own data)."""
+        data = getattr(self, "data", None)
+        return None if loss is None or data is None else round(data.bits_per_byte(loss), 5)
 
     @torch.no_grad()
     def _evaluate(self) -> Optional[float]:

@@ -41,7 +41,11 @@ class Ranks:
         """One GPU per rank (cuda:LOCAL_RANK) when there are GPUs and the config allows them."""
         if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
             return torch.device("cpu")
-        return torch.device("cuda", self.local_rank)
+        from p2pdiloco.peer import check_cuda
+
+        device = torch.device("cuda", self.local_rank)
+        check_cuda(device, f"{name} (rank {self.local_rank}: cuda:{self.local_rank})")
+        return device
 
     def init(self, device: torch.device) -> None:
         self.device = device

@@ -20,7 +20,7 @@ import math
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 EXIT_USAGE = 2
 
@@ -147,6 +147,31 @@ def read_swarm(dht, run_id: str, secret: str = "", *, timeout: float = 10.0) -> 
     return [peers[p] for p in sorted(peers)]
 
 
+def read_data_coverage(dht, records: list[dict], run_id: str, secret: str = "", *,
+                       timeout: float = 10.0) -> Optional[dict]:
+    """The epoch the live peers read (the oldest among them) and its shards done / claimed / free,
+    from the claims records (data/claims.py); None when no peer trains on prepared tokens."""
+    from p2pdiloco.data.claims import claims_key, coverage, parse_claims
+    from p2pdiloco.secret import secured_prefix
+
+    readers = [r for r in records if isinstance(r.get("data"), dict) and isinstance(r["data"].get("epoch"), int)
+               and isinstance(r["data"].get("shards"), int)]
+    if not readers:
+        return None
+    first = min(readers, key=lambda r: r["data"]["epoch"])
+    fp, epoch = first["fingerprint"], first["data"]["epoch"]
+    prefix = secured_prefix(secret, run_id, fp) if secret else f"p2pdiloco_{run_id}_{fp}"
+    claims = parse_claims(_get(dht, claims_key(prefix, epoch), timeout))
+    return {"epoch": epoch, "shards": first["data"]["shards"], **coverage(claims, first["data"]["shards"])}
+
+
+def data_line(cov: Optional[dict]) -> str:
+    if cov is None:
+        return ""
+    return (f"data: epoch {cov['epoch']}, {cov['shards']} shards: {cov['done']} done, {cov['claimed']} claimed, "
+            f"{cov['free']} free")
+
+
 def jsonable(value: Any) -> Any:
     """NaN and infinities -> None, recursively (JSON has no NaN)."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -200,16 +225,23 @@ def summary(records: list[dict]) -> dict:
             "outer_step": max(finite("outer_step"), default=0)}
 
 
+def _data_cell(data: Any) -> str:
+    """epoch/shard@cursor of a peer reading prepared tokens (data/claims.py), '-' otherwise."""
+    if not isinstance(data, dict) or not all(_is_number(data.get(k)) for k in ("epoch", "shard", "cursor")):
+        return "-"
+    return f"e{data['epoch']}/s{data['shard']}@{data['cursor']}"
+
+
 def format_table(records: list[dict], run_id: str, now: float | None = None, prefer_loopback: bool = False) -> str:
     now = time.time() if now is None else now
-    header = ("PEER", "ADDRESS", "REACH", "DEVICE", "OUTER", "INNER", "LOSS", "TOKENS/S", "SEEN")
+    header = ("PEER", "ADDRESS", "REACH", "DEVICE", "OUTER", "INNER", "LOSS", "TOKENS/S", "DATA", "SEEN")
     rows = [(r["peer"], address(r, prefer_loopback), reach(r), str(r.get("device", "?")),
              _num(r.get("outer_step"), "d"), _num(r.get("inner_step"), "d"), _num(r.get("loss"), ".3f"),
-             _num(r.get("tokens_per_s"), ",.0f"),
+             _num(r.get("tokens_per_s"), ",.0f"), _data_cell(r.get("data")),
              f"{max(0.0, now - r['time']):.0f}s ago")
             for r in records]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    right = {4, 5, 6, 7, 8}  # numbers align right
+    right = {4, 5, 6, 7, 9}  # numbers align right
 
     def line(row) -> str:
         return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
@@ -235,13 +267,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         dht = start_client(cfg)
         records = read_swarm(dht, cfg.run_id, cfg.run_secret, timeout=args.timeout)
+        cov = read_data_coverage(dht, records, cfg.run_id, cfg.run_secret, timeout=args.timeout)
     except (SwarmError, TimeoutError) as e:
         return fail(str(e))
     finally:
         if dht is not None:
             dht.shutdown()
-    if args.json:
-        print(json.dumps(jsonable(records), indent=2, default=str))
+    if args.json:  # the list of peer records, each with the swarm's data coverage when there is one
+        print(json.dumps(jsonable([{**r, "data_coverage": cov} if cov else r for r in records]), indent=2, default=str))
     else:
         print(format_table(records, cfg.run_id, prefer_loopback=all(is_loopback(m) for m in cfg.initial_peers)))
+        if cov:
+            print(data_line(cov))
     return 0

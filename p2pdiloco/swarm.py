@@ -96,9 +96,9 @@ def check_run_config(dht: hivemind.DHT, cfg) -> None:
         fingerprints = {v.value for v in found.value.values() if isinstance(v.value, str)}
         if fingerprints and cfg.fingerprint() not in fingerprints:
             raise SwarmError(
-                f"run {cfg.run_id!r} is training another model config or wire format (fingerprint "
-                f"{', '.join(sorted(fingerprints))}, ours {cfg.fingerprint()}): use the swarm's preset or another "
-                "--run-id")
+                f"run {cfg.run_id!r} is training another model config or wire format, or on other prepared "
+                f"data (fingerprint {', '.join(sorted(fingerprints))}, ours {cfg.fingerprint()}): use the swarm's "
+                "preset and --data, or another --run-id")
     if not theirs and not fingerprints and cfg.initial_peers and not cfg.run_secret:
         _check_other_run(dht, cfg)
     announce_config(dht, cfg)

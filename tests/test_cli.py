@@ -42,6 +42,7 @@ def assert_usage_error(proc, *fragments):
     (["join", "--config", "/nonexistent/preset.toml"], ["config file not found"]),
     (["join", "--initial-peers", "not-a-multiaddr"], ["malformed initial_peers", "not-a-multiaddr"]),
     (["frobnicate"], ["invalid choice", "frobnicate"]),
+    (["join", "--device", "cuda:99"], ["cuda:99", "--device cpu"]),  # no machine of ours has 100 GPUs
 ])
 def test_bad_input_is_one_line_exit_2(args, fragments):
     proc, _ = run_cli(*args)

