@@ -37,8 +37,11 @@ class HFCausalLM(nn.Module):
         super().__init__()
         self.lm = lm
 
+    def logits(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=idx, use_cache=False).logits
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.lm(input_ids=idx, use_cache=False).logits
+        logits = self.logits(idx)
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 

@@ -151,7 +151,10 @@ class ShardClaims:
                 epoch += 1
                 continue
             self.epoch = epoch
-            for shard in self.order:
+            # our own unfinished shards first: a peer restarted from its checkpoint (same token)
+            # goes on where it was reading when it stopped
+            mine = [s for s in self.order if claims.get(s, {}).get("token") == self.token]
+            for shard in mine + [s for s in self.order if s not in mine]:
                 rec = claims.get(shard, {})
                 if rec.get("done") or (rec.get("lease_until", 0) > now and rec.get("token") != self.token):
                     continue
@@ -198,20 +201,20 @@ class ShardClaims:
         return {"epoch": self.epoch, "shard": self.shard, "cursor": self.cursor, "token": self.token}
 
     def restore(self, state: dict) -> None:
-        """After a restart from a checkpoint: the same epoch, and our shard back when its record is
-        still ours (our token) or free, at the later of the checkpointed and published cursors."""
+        """After a restart from a checkpoint: its epoch and claim token, so that the shard we were
+        reading (its lease still ours, or run out) is taken back at the later of the checkpointed
+        and published cursors."""
         try:
-            self.epoch = self.floor = int(state["epoch"])
-            shard, cursor, token = state.get("shard"), int(state.get("cursor", 0)), str(state["token"])
+            epoch, shard = int(state["epoch"]), state.get("shard")
+            cursor, token = int(state.get("cursor", 0)), str(state["token"])
         except (KeyError, TypeError, ValueError):
             return
+        self.token, self.epoch, self.floor = token, epoch, epoch
         if shard is None or shard not in self.windows:
             return
-        rec = self._read(self.epoch).get(shard, {})
+        rec = self._read(epoch).get(shard, {})
         if rec.get("done") or (rec.get("token") != token and rec.get("lease_until", 0) > get_dht_time()):
             return
-        self.token = token
-        self.floor = min(self.floor, self.epoch)
         cursor = max(cursor, int(rec.get("cursor", 0)))
         if cursor < self.windows[shard] and self._claim(shard, cursor):
-            logger.info(f"resumed shard {shard} of epoch {self.epoch} at window {cursor}")
+            logger.info(f"resumed shard {shard} of epoch {epoch} at window {cursor}")
