@@ -40,7 +40,7 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 
 
 # Fields that name files or directories: a leading ~ is the user's home.
-PATH_KEYS = ("data", "hf_config", "log_dir", "maddrs_file", "identity_path", "checkpoint_dir", "tensorboard_dir",
+PATH_KEYS = ("data", "init_from", "hf_config", "log_dir", "maddrs_file", "identity_path", "checkpoint_dir", "tensorboard_dir",
              "initial_peers_file")
 
 # Fields that define the model's shape: peers must agree on them to average together.
@@ -65,6 +65,11 @@ class Config:
     hf_config: str = _f("", "A Hugging Face transformers model config (JSON file; relative paths are read next to "
                             "the preset) built with AutoModelForCausalLM.from_config instead of the built-in GPT; "
                             "needs the hf extra. No hub download.")
+    init_from: str = _f("", "A local Hugging Face model directory (config.json and *.safetensors weights) to start "
+                            "from: continued pretraining or fine-tuning. Its config is the model (hf_config); its "
+                            "weights' sha256 joins the run's fingerprint. A joiner may hold only config.json and "
+                            "pass init_from_sha256 (the founders print it); it downloads the anchor.")
+    init_from_sha256: str = _f("", "The sha256 of init_from's weights, for a peer that does not hold them.")
     model_signature: str = _f("", "Set by the Python API (p2pdiloco.DiLoCo): a hash of the wrapped module's parameter "
                                   "names and shapes, part of the run's fingerprint.")
 
@@ -235,6 +240,7 @@ class Config:
         need(len(self.host_maddrs) > 0, "host_maddrs must not be empty")
         if self.initial_peers_file:  # merged here, so that every reader of initial_peers sees them
             self.initial_peers = list(dict.fromkeys([*self.initial_peers, *read_peers_file(self.initial_peers_file)]))
+        self._init_sha = _init_from(self) if self.init_from else ""
         # the parsed HF config: read once, so the fingerprint and the model come from the same bytes
         self._hf_json = _read_hf_json(self.hf_config, self.vocab_size, self.block_size) if self.hf_config else None
 
@@ -278,6 +284,11 @@ class Config:
         return f"Config({', '.join(f'{k}={v!r}' for k, v in self.to_dict().items())})"
 
     @property
+    def init_from_digest(self) -> str:
+        """The sha256 of init_from's weights ("" without init_from)."""
+        return self._init_sha
+
+    @property
     def hf_json(self) -> dict[str, Any] | None:
         """The `hf_config` file's JSON object (a copy), or None for the built-in GPT."""
         return None if self._hf_json is None else json.loads(json.dumps(self._hf_json))
@@ -295,6 +306,8 @@ class Config:
             shared.update(compression=self.compression, outer_apply=self.outer_apply)
         if not self.merge_anchors:  # the averaged buffer has another shape: such peers cannot meet
             shared.update(merge_anchors=False)
+        if self._init_sha:  # pretrained weights: every founder starts from the same ones
+            shared.update(init_from=self._init_sha[:16])
         if self._manifest is not None:  # prepared tokens: the same tokenizer and shards on every peer
             shared.update(data=self._manifest.digest[:16])
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:12]
@@ -349,6 +362,52 @@ def read_peers_file(path: str) -> list[str]:
 def _expand(value: str, *, base: Path) -> Path:
     path = Path(value).expanduser()
     return path if path.is_absolute() else (base / path).absolute()
+
+
+_WEIGHT_HASHES: dict[tuple, str] = {}  # (path, size, mtime) -> sha256: Config is built more than once
+
+
+def weight_files(directory: str) -> list[Path]:
+    return sorted(Path(directory).glob("*.safetensors"))
+
+
+def _init_from(cfg) -> str:
+    """Check `init_from`, point hf_config at its config.json, and return its weights' sha256 (or
+    the one given by init_from_sha256 for a peer without the weights)."""
+    root = Path(cfg.init_from)
+    if not (root / "config.json").is_file():
+        raise ConfigError(f"init_from {cfg.init_from} is not a model directory (no config.json)")
+    config = str((root / "config.json").absolute())
+    if cfg.hf_config and os.path.abspath(cfg.hf_config) != config:
+        raise ConfigError("init_from names its own model config: leave hf_config empty")
+    cfg.hf_config = config
+    given = cfg.init_from_sha256.lower()
+    if given and re.fullmatch(r"[0-9a-f]{64}", given) is None:
+        raise ConfigError(f"init_from_sha256 must be 64 hex digits, got {cfg.init_from_sha256!r}")
+    files = weight_files(cfg.init_from)
+    if not files:
+        if not given:
+            raise ConfigError(f"init_from {cfg.init_from} holds no *.safetensors weights: a peer without them "
+                              f"passes --init-from-sha256 (the founders print it when they start)")
+        if not cfg.initial_peers:
+            raise ConfigError(f"init_from {cfg.init_from} holds no weights: a founding peer (no initial_peers) "
+                              f"needs them; a joiner downloads the swarm's state instead")
+        return given
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        key = (str(f.absolute()), st.st_size, st.st_mtime_ns)
+        if key not in _WEIGHT_HASHES:
+            fh = hashlib.sha256()
+            with open(f, "rb") as src:
+                while block := src.read(1 << 22):
+                    fh.update(block)
+            _WEIGHT_HASHES[key] = fh.hexdigest()
+        h.update(f.name.encode() + b"\0" + _WEIGHT_HASHES[key].encode())
+    sha = h.hexdigest()
+    if given and given != sha:
+        raise ConfigError(f"init_from {cfg.init_from}: its weights' sha256 is {sha}, not init_from_sha256 {given}")
+    return sha
 
 
 def _read_data_manifest(data: str):

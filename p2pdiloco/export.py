@@ -55,7 +55,7 @@ def load_anchor_model(cfg):
     if payload is None:
         raise ExportError(f"no checkpoint in {cfg.checkpoint_dir}")
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg)
+    model = build_model(cfg, pretrained=False)  # the anchor replaces every weight
     load_flat_(model, payload["anchor"].float())
     return model.eval(), path, int(payload["outer_step"])
 

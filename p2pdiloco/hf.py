@@ -45,6 +45,20 @@ class HFCausalLM(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def load_pretrained(cfg) -> nn.Module:
+    """`init_from`'s model with its weights (fp32, from local files only)."""
+    import transformers
+
+    model = build_hf_model(cfg)  # checks the config as for hf_config; its random weights are replaced
+    try:
+        lm = transformers.AutoModelForCausalLM.from_pretrained(cfg.init_from, local_files_only=True,
+                                                               dtype=torch.float32, attn_implementation=ATTENTION)
+    except Exception as e:  # transformers raises many types for a bad directory
+        raise ConfigError(f"init_from {cfg.init_from}: {_one_line(e)}") from None
+    model.lm.load_state_dict(lm.state_dict())
+    return model
+
+
 def build_hf_model(cfg) -> nn.Module:
     """Build the model that `cfg.hf_config` describes. The caller seeds torch first (peer.py does):
     transformers initialises the weights from torch's global generator, so every peer gets the same init."""

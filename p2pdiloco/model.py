@@ -95,9 +95,16 @@ def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def build_model(cfg) -> nn.Module:
-    """The model a config describes: the built-in GPT, or a Hugging Face model from `hf_config`.
-    Either way `model(idx, targets)` returns the mean next-token cross-entropy."""
+def build_model(cfg, pretrained: bool = True) -> nn.Module:
+    """The model a config describes: the built-in GPT, or a Hugging Face model from `hf_config`
+    (holding `init_from`'s weights when the directory has them and pretrained is True). Either way
+    `model(idx, targets)` returns the mean next-token cross-entropy."""
+    if cfg.init_from and pretrained:
+        from p2pdiloco.config import weight_files
+        from p2pdiloco.hf import load_pretrained
+
+        if weight_files(cfg.init_from):
+            return load_pretrained(cfg)
     if cfg.hf_config:
         from p2pdiloco.hf import build_hf_model  # transformers is an optional extra
 

@@ -78,10 +78,10 @@ def model_size(cfg) -> int:
     model whose init needs real values (some Hugging Face ones call .item()) is built on the CPU."""
     try:
         with torch.device("meta"):
-            return num_params(build_model(cfg))
+            return num_params(build_model(cfg, pretrained=False))
     except (RuntimeError, NotImplementedError, ValueError) as e:
         logger.debug(f"meta-device build failed ({e!r}); building on the CPU for the size")
-        return num_params(build_model(cfg))
+        return num_params(build_model(cfg, pretrained=False))
 
 
 class Peer(SwarmRounds):
@@ -145,6 +145,9 @@ class Peer(SwarmRounds):
             self.ranks.init(self.device)
         if cfg.checkpoint_dir and self.leader:
             checkpoint.ensure_writable(cfg.checkpoint_dir)
+        if cfg.init_from_digest and self.leader:
+            self._progress(f"p2pdiloco: init_from {cfg.init_from}: weights sha256 {cfg.init_from_digest} (a peer "
+                           f"without the weights joins with --init-from-sha256 {cfg.init_from_digest})")
         if own_model:  # a bad data path is a one-line error before anything starts; read-only pages
             self.data = load_data(cfg, progress=self._progress)  # stay shared with the forked children
         # anchor | momentum in shared memory, before the averager forks: it serves them to joiners
