@@ -76,6 +76,8 @@ class Config:
     # --- data ----------------------------------------------------------------------------
     data: str = _f("", "A directory made by `p2pdiloco prepare` (token shards and manifest.json), or a text file or "
                        "directory of .txt files trained on as bytes; empty = the bundled Shakespeare corpus.")
+    data_order: str = _f("claims", "Prepared tokens: claims = each peer reads shards it claims through the DHT "
+                                   "(disjoint data, epochs); random = windows drawn at random, like text data.")
     eval_fraction: float = _f(0.05, "Fraction of the corpus held out for evaluation (the same for every peer).")
     batch_size: int = _f(16, "Sequences per inner step.")
 
@@ -229,6 +231,7 @@ class Config:
              "outer_apply = per_contribution needs target_group_size <= 16 (it sends that many vectors)")
         need(math.isfinite(self.slowdown) and self.slowdown >= 1, f"slowdown must be >= 1, got {self.slowdown}")
         need(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, f"bad device {self.device!r}")
+        need(self.data_order in ("claims", "random"), f"data_order must be claims or random, got {self.data_order!r}")
         need(self.reachability in ("auto", "public", "client"),
              f"reachability must be auto, public or client, got {self.reachability!r}")
         for key in ("initial_peers", "host_maddrs", "announce_maddrs"):

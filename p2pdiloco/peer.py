@@ -194,7 +194,8 @@ class Peer(SwarmRounds):
         """Prepared tokens, one peer per shard: claims through the DHT (data/claims.py). Text data,
         and the other ranks of a torchrun peer, read random windows in their own order."""
         self.claims = None
-        if not self.leader or getattr(getattr(self, "data", None), "claimable", None) is None:
+        if (not self.leader or self.cfg.data_order != "claims"
+                or getattr(getattr(self, "data", None), "claimable", None) is None):
             return
         try:
             live = swarm.read_progress(self.dht, self.cfg, timeout=self.cfg.request_timeout)

@@ -308,9 +308,10 @@ def analyze_coverage(workdir: Path, data: Path, block_size: int) -> dict:
     faults = json.loads(chaos.read_text())["faults"] if chaos.exists() else {}
     kills = faults.get("kill", 0) + faults.get("kill_restart", 0)
     unlogged = kills * float(np.median(rates) if rates else 0) * interval / block_size
-    return {"epochs_read": round(sum(r["read"] for r in rows) / max(total, 1), 3), "shards": len(windows),
+    epochs_read = sum(r["read"] for r in rows) / max(total, 1)
+    return {"epochs_read": round(epochs_read, 3), "shards": len(windows),
             "per_epoch": rows, "kills": kills, "unlogged_windows_bound": round(unlogged),
-            "unlogged_pct_of_epoch_bound": round(100 * unlogged / max(total, 1), 3),
+            "unlogged_pct_per_epoch_bound": round(100 * unlogged / max(total * epochs_read, 1), 3),
             "twice_pct_max": max((r["twice_pct"] for r in rows), default=None),
             "never_pct_max_over": max((r["never_pct"] for r in over), default=None)}
 

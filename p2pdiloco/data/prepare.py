@@ -96,6 +96,8 @@ def prepare(inputs: list[str], out: str | Path, *, tokenizer: Optional[str] = No
         raise PrepareError(f"--shard-mb must be positive, got {shard_mb}")
     if (tokenizer is None) == (not train_vocab):
         raise PrepareError("pass one of --tokenizer PATH|bytes and --train-tokenizer --vocab-size N")
+    if train_vocab and train_vocab < 512:
+        raise PrepareError(f"--vocab-size must be at least 512 for a trained BPE, got {train_vocab}")
     out = Path(out).expanduser()
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -271,15 +273,19 @@ def encode_unit(out: Path, unit: Unit, dtype: str, text_key: str, piece_bytes: i
     tok = tok or _worker_tok
     parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
     sizes = {"train": 0, "val": 0}
-    batch: list[tuple[str, str, bool]] = []
+    batch: list[tuple[str, Optional[str], bool]] = []
     batch_bytes = 0
+    doc_in_train = False  # the current document has text in the train split
+
+    eot = np.array([tok.eot_id], dtype=np.uint32)
 
     def flush() -> None:
-        ids = tok.encode_batch([text for _, text, _ in batch])
-        for (split, _, end), arr in zip(batch, ids):
-            parts[split].append(arr)
+        ids = iter(tok.encode_batch([text for _, text, _ in batch if text is not None]))
+        for split, text, end in batch:
+            if text is not None:
+                parts[split].append(next(ids))
             if end:
-                parts[split].append(np.array([tok.eot_id], dtype=np.uint32))
+                parts[split].append(eot)
         batch.clear()
 
     for text, position, doc_end in read_unit(unit, text_key, piece_bytes):
@@ -287,6 +293,9 @@ def encode_unit(out: Path, unit: Unit, dtype: str, text_key: str, piece_bytes: i
         size = len(text.encode("utf-8"))
         sizes[split] += size
         batch.append((split, text, doc_end or split == "val"))  # each held-out piece ends with an EOT
+        if split == "val" and doc_end and doc_in_train:
+            batch.append(("train", None, True))  # the document ends in the train stream too
+        doc_in_train = not doc_end and (doc_in_train or split == "train")
         batch_bytes += size
         if batch_bytes >= ENCODE_BATCH_BYTES:
             flush()
