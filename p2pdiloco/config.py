@@ -40,7 +40,8 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 
 
 # Fields that name files or directories: a leading ~ is the user's home.
-PATH_KEYS = ("data", "init_from", "hf_config", "log_dir", "maddrs_file", "identity_path", "checkpoint_dir", "tensorboard_dir",
+PATH_KEYS = ("data", "init_from", "hf_config", "log_dir", "maddrs_file", "identity_path", "checkpoint_dir",
+             "tensorboard_dir",
              "initial_peers_file")
 
 # Fields that define the model's shape: peers must agree on them to average together.
@@ -78,6 +79,8 @@ class Config:
                        "directory of .txt files trained on as bytes; empty = the bundled Shakespeare corpus.")
     data_order: str = _f("claims", "Prepared tokens: claims = each peer reads shards it claims through the DHT "
                                    "(disjoint data, epochs); random = windows drawn at random, like text data.")
+    shards_per_peer: int = _f(4, "Prepared tokens with claims: shards a peer reads at once, a window from each in "
+                                 "turn, so that its inner steps see more than one region of the corpus.")
     eval_fraction: float = _f(0.05, "Fraction of the corpus held out for evaluation (the same for every peer).")
     batch_size: int = _f(16, "Sequences per inner step.")
 
@@ -203,7 +206,8 @@ class Config:
         need(self.vocab_size >= data_vocab, f"vocab_size {self.vocab_size} is smaller than the data's vocabulary "
                                             f"({data_vocab}): leave vocab_size at 0 to take the data's")
         for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "inner_steps",
-                    "target_group_size", "min_group_size", "eval_batches", "eval_every", "checkpoint_every"):
+                    "target_group_size", "min_group_size", "eval_batches", "eval_every", "checkpoint_every",
+                    "shards_per_peer"):
             need(getattr(self, key) >= 1, f"{key} must be >= 1, got {getattr(self, key)}")
         need(self.n_embd % self.n_head == 0, f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         need(self.min_group_size <= self.target_group_size, "min_group_size must be <= target_group_size")

@@ -298,7 +298,8 @@ class SwarmRounds:
         self.metrics.log("outer", outer_step=self.outer_step, group_size=len(members), share=share, weight=weight,
                          tokens=tokens, staleness=age, round_s=outcome.round_s, bytes_sent=report.bytes_sent,
                          bytes_recv=report.bytes_recv, anchor_spread=spread, eval_loss=eval_loss,
-                         eval_bpb=self.bits_per_byte(eval_loss), diverged_members=diverged, merged=merged, swarm_size=self.swarm_size,
+                         eval_bpb=self.bits_per_byte(eval_loss), diverged_members=diverged, merged=merged,
+                         swarm_size=self.swarm_size,
                          lead_steps=self.lead_steps,
                          digest=diloco.anchor_digest(self.anchor, self.digest_idx))
         if self.outer_step % self.cfg.checkpoint_every == 0:

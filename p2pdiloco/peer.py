@@ -205,7 +205,7 @@ class Peer(SwarmRounds):
                   and isinstance(r["data"].get("epoch"), int)]
         self.claims = ShardClaims(self.dht, self.cfg, shards=self.data.claimable(), peer_id=self.peer_id,
                                   on_range=lambda **r: self.metrics.log("data", **r),
-                                  start_epoch=min(epochs) if epochs else 0)
+                                  start_epoch=min(epochs) if epochs else 0, width=self.cfg.shards_per_peer)
         self.data.order = self.claims
 
     def _build_training(self, own_model: bool) -> None:
@@ -522,7 +522,8 @@ class Peer(SwarmRounds):
             self.claims.release()
         eval_loss = self._evaluate()
         self.metrics.log("final", inner_step=self.inner_step, outer_step=self.outer_step, eval_loss=eval_loss,
-                         eval_bpb=self.bits_per_byte(eval_loss), tokens=self.tokens, data_s=self.data_s, compute_s=self.compute_s, wall_s=wall_s,
+                         eval_bpb=self.bits_per_byte(eval_loss), tokens=self.tokens, data_s=self.data_s,
+                         compute_s=self.compute_s, wall_s=wall_s,
                          final_wait_s=time.monotonic() - self.t_start - wall_s, **extra)
         self._save_checkpoint()
 

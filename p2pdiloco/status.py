@@ -226,10 +226,13 @@ def summary(records: list[dict]) -> dict:
 
 
 def _data_cell(data: Any) -> str:
-    """epoch/shard@cursor of a peer reading prepared tokens (data/claims.py), '-' otherwise."""
+    """epoch/shard@cursor of a peer reading prepared tokens (data/claims.py; +N: the other shards it
+    reads at once), '-' otherwise."""
     if not isinstance(data, dict) or not all(_is_number(data.get(k)) for k in ("epoch", "shard", "cursor")):
         return "-"
-    return f"e{data['epoch']}/s{data['shard']}@{data['cursor']}"
+    held = data.get("held")
+    more = f"+{len(held) - 1}" if isinstance(held, list) and len(held) > 1 else ""
+    return f"e{data['epoch']}/s{data['shard']}@{data['cursor']}{more}"
 
 
 def format_table(records: list[dict], run_id: str, now: float | None = None, prefer_loopback: bool = False) -> str:

@@ -46,7 +46,6 @@ sys.path.insert(0, str(ROOT))
 
 from p2pdiloco.data.manifest import FORMAT, MANIFEST, VERSION  # noqa: E402
 
-
 # --- prepare ------------------------------------------------------------------------------------
 
 def write_corpus(out: Path, mb: float, text: Path) -> list[Path]:
@@ -119,7 +118,8 @@ def bench_prepare(args) -> dict:
     return {"bench": "prepare", "mb": round(mb, 1), "files": len(files), "workers": workers, "vocab": args.vocab,
             "tokenizer_train_s": round(train_s, 2), "bare_encode_s": round(bare_s, 2), "prepare_s": round(prepare_s, 2),
             "ratio": round(prepare_s / bare_s, 3),
-            "bare_mb_s_per_core": round(mb / bare_s / workers, 2), "prepare_mb_s_per_core": round(mb / prepare_s / workers, 2),
+            "bare_mb_s_per_core": round(mb / bare_s / workers, 2),
+            "prepare_mb_s_per_core": round(mb / prepare_s / workers, 2),
             "bare_tokens_s_per_core": round(bare_tokens / bare_s / workers), "prepare_tokens_s_per_core":
                 round(tokens / prepare_s / workers), "tokens": tokens, "bare_tokens": bare_tokens}
 
@@ -253,11 +253,12 @@ def bench_memory(args) -> dict:
                                      capture_output=True, text=True, timeout=600, check=True)
                 rows.append({"set": name, "mode": mode, **json.loads(out.stdout.splitlines()[-1])})
             if args.join_seconds:
-                rows.append({"set": name, "mode": "join", **_join_pss(data, args.join_seconds, Path(tmp) / f"log-{name}")})
+                joined = _join_pss(data, args.join_seconds, Path(tmp) / f"log-{name}")
+                rows.append({"set": name, "mode": "join", **joined})
     by = {(r["set"], r["mode"]): r for r in rows}
+    growth = {mode: by["big", mode]["pss_after_mb"] - by["small", mode]["pss_after_mb"] for mode in ("pread", "mmap")}
     result = {"bench": "memory", "big_gb": args.big_gb, "batches": args.batches, "rows": rows,
-              "loader_pread_growth_mb": round(by["big", "pread"]["pss_after_mb"] - by["small", "pread"]["pss_after_mb"], 1),
-              "loader_mmap_growth_mb": round(by["big", "mmap"]["pss_after_mb"] - by["small", "mmap"]["pss_after_mb"], 1)}
+              **{f"loader_{mode}_growth_mb": round(g, 1) for mode, g in growth.items()}}
     if args.join_seconds:
         result["join_growth_mb"] = round(by["big", "join"]["peak_pss_mb"] - by["small", "join"]["peak_pss_mb"], 1)
     return result

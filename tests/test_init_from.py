@@ -63,7 +63,8 @@ def test_join_starts_from_the_pretrained_weights(tmp_path, corpus):
     flags = ["--config", TINY, "--data", str(corpus), "--init-from", str(tmp_path / "gpt2"), "--checkpoint-dir",
              str(tmp_path / "ckpt")]
     proc = subprocess.run([sys.executable, "-m", "p2pdiloco", "join", *flags, "--max-inner-steps", "5",
-                           "--inner-steps", "50"], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+                           "--inner-steps", "50"], capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr
     assert "--init-from-sha256" in proc.stderr  # the founder prints the hash a joiner without the weights needs
     cfg = Config.from_sources(TINY, {"data": str(corpus), "init_from": str(tmp_path / "gpt2")})

@@ -129,9 +129,9 @@ class FakeDHT:
 
 
 def test_records_checked_and_history_bounded():
-    from p2pdiloco.monitor import SwarmWatch
     from hivemind.utils import get_dht_time
 
+    from p2pdiloco.monitor import SwarmWatch
     from p2pdiloco.status import data_line, format_table, read_data_coverage, read_swarm
 
     now = time.time()

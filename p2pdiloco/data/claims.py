@@ -3,10 +3,10 @@
 The sample space is every (shard, window) of the prepared train split; each shard's windows are
 read in an order seeded by (run seed, shard, epoch). Before reading a shard a peer claims it: one
 record per shard under the run's key for the epoch, `{peer, token, cursor, lease_until, done}`
-(HMAC'd like every record of a run with a secret). A peer searches from a stable hash of its peer
-id, skipping shards that are done or held by a live lease; it renews its lease with its cursor
-every log interval. A lease not renewed (a dead peer) runs out, and the next peer to look resumes
-that shard at its published cursor. A peer restarted from its checkpoint takes its shard back
+(HMAC'd like every record of a run with a secret). A peer searches the shards in an order given by
+a stable hash of its peer id, skipping shards that are done or held by a live lease; it renews
+its lease with its cursor every log interval. A lease not renewed (a dead peer) runs out, and the
+next peer to look resumes that shard at its published cursor. A peer restarted from its checkpoint takes its shard back
 (the claim's token is in the checkpoint) at the later of its checkpointed and published cursors.
 
 An epoch ends when every shard is done. Every search starts at the oldest epoch not known to be
@@ -21,10 +21,14 @@ reads before it writes: a peer that finds its shard held by another live lease g
 the loser of a race trains at most one log interval of windows twice. (A pause before the
 read-back would catch more races at once, but it is a data wait at every shard switch.)
 
-    >>> claims = ShardClaims(dht, cfg, shards=[(index, n_windows), ...], peer_id=peer_id)
+A peer reads `width` shards at once (`shards_per_peer`), one window from each in turn: with one,
+its inner steps between two rounds would all come from one region of the corpus (one play of
+Shakespeare, one crawl date), which is what a shard of an unshuffled corpus is.
+
+    >>> claims = ShardClaims(dht, cfg, shards=[(index, n_windows), ...], peer_id=peer_id, width=4)
     >>> windows = claims.take(batch_size)       # [(shard index, window index)], claiming as needed
-    >>> claims.renew()                          # every log interval: lease and cursor
-    >>> claims.position()                       # {"epoch", "shard", "cursor"}, for metrics and status
+    >>> claims.renew()                          # every log interval: leases and cursors
+    >>> claims.position()                       # {"epoch", "shard", "cursor", "held"}, for metrics and status
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
@@ -74,73 +79,94 @@ def coverage(claims: dict[int, dict], n_shards: int, now: Optional[float] = None
     return {"done": done, "claimed": claimed, "free": max(0, n_shards - done - claimed)}
 
 
+@dataclass
+class Slot:
+    """One claimed shard being read: its epoch, where we are in its window order, and where the
+    last reported range ended."""
+
+    epoch: int
+    shard: int
+    cursor: int
+    logged: int
+    perm: np.ndarray
+
+
 class ShardClaims:
-    """This peer's place in the global sample space, claimed shard by shard through the DHT."""
+    """This peer's place in the global sample space: up to `width` claimed shards read at once,
+    their windows interleaved, each replaced by the next free shard when read to its end."""
 
     def __init__(self, dht, cfg, *, shards: list[tuple[int, int]], peer_id: str, on_range: Callable = None,
-                 lease_s: Optional[float] = None, start_epoch: int = 0):
+                 lease_s: Optional[float] = None, start_epoch: int = 0, width: int = 1):
         self.dht = dht
         self.cfg = cfg
         self.windows = {index: n for index, n in shards}  # shard index -> windows, the shards we can read
         self.n_shards = len(shards)
-        self.order = sorted(self.windows)
-        digest = hashlib.sha256(peer_id.encode()).digest()
-        start = int.from_bytes(digest[:8], "little") % max(len(self.order), 1)
-        self.order = self.order[start:] + self.order[:start]  # our search starts at a stable hash of our id
+        # our search order: shards sorted by a stable hash of (our id, shard), so that peers start
+        # apart and the shards a peer reads at once lie all over the corpus, not side by side
+        self.order = sorted(self.windows, key=lambda s: hashlib.sha256(f"{peer_id}/{s}".encode()).digest())
         self.peer_id = peer_id
         self.lease_s = lease_s or max(15.0, 3 * cfg.log_interval)
         self.on_range = on_range or (lambda **_: None)
-        self.epoch = self.floor = start_epoch  # floor: the oldest epoch that may still have free shards
-        self.shard: Optional[int] = None
-        self.cursor = 0
-        self.logged = 0  # cursor at the last range reported
+        self.floor = start_epoch  # the oldest epoch that may still have free shards
+        self.width = max(1, min(width, len(self.order)))
+        self.slots: list[Slot] = []
+        self.turn = 0  # the slot the next window comes from
         self.token = secrets.token_hex(8)
-        self._perm: Optional[np.ndarray] = None
 
     # --- reading --------------------------------------------------------------------------
 
     def take(self, n: int) -> list[tuple[int, int]]:
-        """The next n (shard, window) pairs of this peer's order, claiming shards as it goes."""
+        """The next n (shard, window) pairs of this peer's order, one slot after the other,
+        claiming shards as slots empty."""
+        while len(self.slots) < self.width:
+            self.slots.append(self._next_slot())
         out: list[tuple[int, int]] = []
-        while len(out) < n:
-            if self.shard is None or self.cursor >= self.windows[self.shard]:
-                self._next_shard()
-            m = min(n - len(out), self.windows[self.shard] - self.cursor)
-            out.extend((self.shard, int(k)) for k in self._perm[self.cursor:self.cursor + m])
-            self.cursor += m
+        for _ in range(n):
+            i = self.turn % len(self.slots)
+            self.turn += 1
+            slot = self.slots[i]
+            if slot.cursor >= self.windows[slot.shard]:
+                self._finish(slot)
+                slot = self.slots[i] = self._next_slot()
+            out.append((slot.shard, int(slot.perm[slot.cursor])))
+            slot.cursor += 1
         return out
 
     def position(self) -> dict:
-        return {"epoch": self.epoch, "shard": self.shard, "cursor": self.cursor, "shards": self.n_shards}
+        """Where the first slot reads (epoch, shard, cursor) and every slot's [epoch, shard, cursor]."""
+        first = self.slots[0] if self.slots else None
+        return {"epoch": first.epoch if first else self.floor, "shard": first.shard if first else None,
+                "cursor": first.cursor if first else 0, "shards": self.n_shards,
+                "held": [[s.epoch, s.shard, s.cursor] for s in self.slots]}
 
     # --- the DHT --------------------------------------------------------------------------
 
     def _read(self, epoch: int) -> dict[int, dict]:
         return parse_claims(self.dht.get(claims_key(self.cfg.dht_prefix, epoch), latest=True))
 
-    def _store(self, shard: int, *, cursor: int, lease_until: float, done: bool = False) -> None:
+    def _store(self, epoch: int, shard: int, *, cursor: int, lease_until: float, done: bool = False) -> None:
         record = {"peer": self.peer_id, "token": self.token, "cursor": int(cursor), "lease_until": lease_until,
                   "done": done}
-        self.dht.store(claims_key(self.cfg.dht_prefix, self.epoch), subkey=str(shard), value=record,
+        self.dht.store(claims_key(self.cfg.dht_prefix, epoch), subkey=str(shard), value=record,
                        expiration_time=get_dht_time() + RECORD_TTL)
 
-    def _take_shard(self, shard: int, cursor: int) -> None:
-        self.shard, self.cursor, self.logged = shard, cursor, cursor
-        self._perm = window_order(self.cfg.seed, shard, self.epoch, self.windows[shard])
+    def _slot(self, epoch: int, shard: int, cursor: int) -> Slot:
+        return Slot(epoch, shard, cursor, cursor, window_order(self.cfg.seed, shard, epoch, self.windows[shard]))
 
-    def _report(self) -> None:
-        if self.shard is not None and self.cursor > self.logged:
-            self.on_range(epoch=self.epoch, shard=self.shard, start=self.logged, end=self.cursor)
-            self.logged = self.cursor
+    def _report(self, slot: Slot) -> None:
+        if slot.cursor > slot.logged:
+            self.on_range(epoch=slot.epoch, shard=slot.shard, start=slot.logged, end=slot.cursor)
+            slot.logged = slot.cursor
 
-    def _next_shard(self) -> None:
-        """Finish the current shard (if read to its end) and claim the next free one, from the
-        oldest epoch not yet done."""
-        if self.shard is not None:
-            self._report()
-            if self.cursor >= self.windows[self.shard]:
-                self._store(self.shard, cursor=self.cursor, lease_until=0.0, done=True)
-            self.shard = None
+    def _finish(self, slot: Slot) -> None:
+        self._report(slot)
+        self._store(slot.epoch, slot.shard, cursor=slot.cursor, lease_until=0.0, done=True)
+
+    def _held(self) -> set[tuple[int, int]]:
+        return {(s.epoch, s.shard) for s in self.slots}
+
+    def _next_slot(self) -> Slot:
+        """Claim the next free shard, from the oldest epoch not yet done."""
         epoch = self.floor
         for _ in range(MAX_SEARCHES):
             claims = self._read(epoch)
@@ -150,71 +176,71 @@ class ShardClaims:
                     self.floor += 1  # this epoch is over: nobody needs to look at it again
                 epoch += 1
                 continue
-            self.epoch = epoch
             # our own unfinished shards first: a peer restarted from its checkpoint (same token)
             # goes on where it was reading when it stopped
             mine = [s for s in self.order if claims.get(s, {}).get("token") == self.token]
             for shard in mine + [s for s in self.order if s not in mine]:
                 rec = claims.get(shard, {})
-                if rec.get("done") or (rec.get("lease_until", 0) > now and rec.get("token") != self.token):
+                if (epoch, shard) in self._held() or rec.get("done") or (
+                        rec.get("lease_until", 0) > now and rec.get("token") != self.token):
                     continue
                 cursor = min(int(rec.get("cursor", 0)), self.windows[shard])
-                if cursor < self.windows[shard] and self._claim(shard, cursor):
-                    return
+                if cursor < self.windows[shard] and self._claim(epoch, shard, cursor):
+                    return self._slot(epoch, shard, cursor)
             epoch += 1  # nothing free here: our own search goes on in the next epoch
-        self.epoch = epoch  # a swarm far larger than its data: read rather than stall
-        self._claim(self.order[0], 0, check=False)
+        # a swarm far larger than its data: read rather than stall
+        self._claim(epoch, self.order[0], 0, check=False)
+        return self._slot(epoch, self.order[0], 0)
 
-    def _claim(self, shard: int, cursor: int, check: bool = True) -> bool:
-        self._store(shard, cursor=cursor, lease_until=get_dht_time() + self.lease_s)
-        if check:
-            rec = self._read(self.epoch).get(shard, {})
-            if rec.get("token") != self.token:
-                return False
-        self._take_shard(shard, cursor)
-        logger.info(f"claimed shard {shard} of epoch {self.epoch} at window {cursor}")
+    def _claim(self, epoch: int, shard: int, cursor: int, check: bool = True) -> bool:
+        self._store(epoch, shard, cursor=cursor, lease_until=get_dht_time() + self.lease_s)
+        if check and self._read(epoch).get(shard, {}).get("token") != self.token:
+            return False
+        logger.info(f"claimed shard {shard} of epoch {epoch} at window {cursor}")
         return True
 
     def renew(self) -> None:
-        """Every log interval: report the range read, then renew the lease with the cursor, unless
-        another live peer holds the shard now (a race we lost): then give it up."""
-        if self.shard is None:
-            return
-        self._report()
-        rec = self._read(self.epoch).get(self.shard, {})
-        if rec.get("token") not in (None, self.token) and rec.get("lease_until", 0) > get_dht_time():
-            logger.info(f"shard {self.shard} of epoch {self.epoch} is held by {rec.get('peer')}: giving it up")
-            self.shard = None
-            return
-        self._store(self.shard, cursor=self.cursor, lease_until=get_dht_time() + self.lease_s)
+        """Every log interval, for each slot: report the range read, then renew the lease with the
+        cursor, unless another live peer holds the shard now (a race we lost): then let it go."""
+        by_epoch = {e: self._read(e) for e in {s.epoch for s in self.slots}}
+        for i, slot in enumerate(list(self.slots)):
+            self._report(slot)
+            rec = by_epoch[slot.epoch].get(slot.shard, {})
+            if rec.get("token") not in (None, self.token) and rec.get("lease_until", 0) > get_dht_time():
+                logger.info(f"shard {slot.shard} of epoch {slot.epoch} is held by {rec.get('peer')}: giving it up")
+                self.slots.remove(slot)  # take() claims another
+                continue
+            self._store(slot.epoch, slot.shard, cursor=slot.cursor, lease_until=get_dht_time() + self.lease_s)
 
     def release(self) -> None:
-        """At a clean stop: the shard is free at once, at our cursor."""
-        if self.shard is None:
-            return
-        self._report()
-        self._store(self.shard, cursor=self.cursor, lease_until=0.0, done=self.cursor >= self.windows[self.shard])
+        """At a clean stop: our shards are free at once, at our cursors."""
+        for slot in self.slots:
+            self._report(slot)
+            self._store(slot.epoch, slot.shard, cursor=slot.cursor, lease_until=0.0,
+                        done=slot.cursor >= self.windows[slot.shard])
 
     # --- checkpoints ----------------------------------------------------------------------
 
     def state(self) -> dict:
-        return {"epoch": self.epoch, "shard": self.shard, "cursor": self.cursor, "token": self.token}
+        return {"floor": self.floor, "token": self.token, "slots": [[s.epoch, s.shard, s.cursor] for s in self.slots]}
 
     def restore(self, state: dict) -> None:
-        """After a restart from a checkpoint: its epoch and claim token, so that the shard we were
-        reading (its lease still ours, or run out) is taken back at the later of the checkpointed
-        and published cursors."""
+        """After a restart from a checkpoint: its claim token, so that the shards we were reading
+        (their leases still ours, or run out) are taken back at the later of the checkpointed and
+        published cursors."""
         try:
-            epoch, shard = int(state["epoch"]), state.get("shard")
-            cursor, token = int(state.get("cursor", 0)), str(state["token"])
+            token, floor = str(state["token"]), int(state["floor"])
+            held = [(int(e), int(s), int(c)) for e, s, c in state.get("slots", [])]
         except (KeyError, TypeError, ValueError):
             return
-        self.token, self.epoch, self.floor = token, epoch, epoch
-        if shard is None or shard not in self.windows:
-            return
-        rec = self._read(epoch).get(shard, {})
-        if rec.get("done") or (rec.get("token") != token and rec.get("lease_until", 0) > get_dht_time()):
-            return
-        cursor = max(cursor, int(rec.get("cursor", 0)))
-        if cursor < self.windows[shard] and self._claim(shard, cursor):
-            logger.info(f"resumed shard {shard} of epoch {epoch} at window {cursor}")
+        self.token, self.floor = token, min(floor, *(e for e, _, _ in held)) if held else floor
+        for epoch, shard, cursor in held:
+            if shard not in self.windows or len(self.slots) >= self.width:
+                continue
+            rec = self._read(epoch).get(shard, {})
+            if rec.get("done") or (rec.get("token") != token and rec.get("lease_until", 0) > get_dht_time()):
+                continue
+            cursor = max(cursor, int(rec.get("cursor", 0)))
+            if cursor < self.windows[shard] and self._claim(epoch, shard, cursor):
+                self.slots.append(self._slot(epoch, shard, cursor))
+                logger.info(f"resumed shard {shard} of epoch {epoch} at window {cursor}")

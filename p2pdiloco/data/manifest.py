@@ -111,7 +111,8 @@ def read_manifest(path: str | Path) -> Manifest:
     except ValueError as e:
         raise ManifestError(f"{file} is not JSON: {e}") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-        raise ManifestError(f"{file} is not a p2pdiloco token manifest (format {raw.get('format') if isinstance(raw, dict) else None!r})")
+        found = raw.get("format") if isinstance(raw, dict) else None
+        raise ManifestError(f"{file} is not a p2pdiloco token manifest (format {found!r})")
     if raw.get("version") != VERSION:
         raise ManifestError(f"{file} has manifest version {raw.get('version')!r}; this p2pdiloco reads {VERSION}")
     try:
