@@ -28,7 +28,7 @@ import torch
 from hivemind.compression import CompressionBase, CompressionInfo, Float16Compression, NoCompression
 from hivemind.proto import runtime_pb2
 
-CODECS = ("none", "fp16", "int8", "int4")
+from p2pdiloco.config import CODECS  # noqa: E402  (one list of names, in the config)
 
 
 class CodecError(ValueError):

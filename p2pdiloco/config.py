@@ -26,8 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from p2pdiloco.compression import CODECS
-
 
 class ConfigError(ValueError):
     """A user-facing configuration problem; the CLI prints it on one line and exits 2."""
@@ -40,6 +38,8 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 
 
 # Fields that name files or directories: a leading ~ is the user's home.
+CODECS = ("none", "fp16", "int8", "int4")  # compression.py implements them; kept here so that the
+# operator commands (status, prepare, ...) read a config without importing torch
 PATH_KEYS = ("data", "init_from", "hf_config", "log_dir", "maddrs_file", "identity_path", "checkpoint_dir",
              "tensorboard_dir",
              "initial_peers_file")

