@@ -191,8 +191,9 @@ class Peer(SwarmRounds):
             self._install_signal_handlers()
 
     def _claim_data(self) -> None:
-        """Prepared tokens, one peer per shard: claims through the DHT (data/claims.py). Text data,
-        and the other ranks of a torchrun peer, read random windows in their own order."""
+        """Prepared tokens: each peer reads shards it claimed through the DHT, shards_per_peer at once
+        (data/claims.py). Text data, data_order = random and the other ranks of a torchrun peer
+        read random windows in their own order."""
         self.claims = None
         if (not self.leader or self.cfg.data_order != "claims"
                 or getattr(getattr(self, "data", None), "claimable", None) is None):

@@ -31,10 +31,11 @@ def overlaps(spans):
 
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory):
-    """20 shards of ~100 KB of text as bytes: each takes a tiny peer several log intervals to read."""
+    """~40 shards of ~30 KB of text as bytes: a peer reading 4 at once takes several log intervals
+    over each, and frees a slot (and looks for free shards) every few seconds."""
     root = tmp_path_factory.mktemp("claims")
-    corpus = make_corpus(root / "corpus.txt", size=2_000_000, seed=3)
-    manifest = prepare([str(corpus)], root / "tokens", tokenizer="bytes", shard_mb=0.1, eval_fraction=0.02,
+    corpus = make_corpus(root / "corpus.txt", size=1_200_000, seed=3)
+    manifest = prepare([str(corpus)], root / "tokens", tokenizer="bytes", shard_mb=0.03, eval_fraction=0.02,
                        workers=1, progress=lambda _: None)
     return root / "tokens", {i: (s.tokens - 1) // 64 for i, s in enumerate(manifest.train)}
 
@@ -57,8 +58,9 @@ def test_restart_takes_its_shards_back_and_a_dead_peers_shards_are_taken_over(tm
     with LocalSwarm(tmp_path, config=TINY, extra_args=args) as swarm:
         swarm.start("a")
         swarm.start("b", *ident, join="a")
-        swarm.wait_for(lambda: swarm.events("b", "outer") and len(ranges(swarm, "b")) >= 8, timeout=90,
-                       what="b averaging and reading")
+        # killed while some shard is read partway (its slots switch shards together: not right after)
+        swarm.wait_for(lambda: swarm.events("b", "outer") and len(ranges(swarm, "b")) >= 8
+                       and last_ends(ranges(swarm, "b"), windows), timeout=90, what="b averaging and reading")
         swarm.signal("b", signal.SIGKILL)
         before = ranges(swarm, "b")
         published = last_ends(before, windows)  # each renewal published these cursors
@@ -69,10 +71,13 @@ def test_restart_takes_its_shards_back_and_a_dead_peers_shards_are_taken_over(tm
         for r in after:
             firsts.setdefault((r["epoch"], r["shard"]), r)
         again = {k: r["start"] for k, r in firsts.items() if k in published}
+        # at the published cursor (a checkpoint newer than the last renewal reports the windows its
+        # model was trained on from there)
         assert again and all(start == published[k] for k, start in again.items()), (published, again)
         assert swarm.events("b", "resume"), "b did not resume from its checkpoint"
 
-        swarm.wait_for(lambda: len(ranges(swarm, "b")) >= len(before) + 12, timeout=60, what="b renewing")
+        swarm.wait_for(lambda: len(ranges(swarm, "b")) >= len(before) + 12
+                       and last_ends(ranges(swarm, "b")[len(before):], windows), timeout=60, what="b renewing")
         swarm.signal("b", signal.SIGKILL)
         dead = last_ends(ranges(swarm, "b"), windows)
         t_kill = time.time()

@@ -142,13 +142,26 @@ class ShardClaims:
     # --- the DHT --------------------------------------------------------------------------
 
     def _read(self, epoch: int) -> dict[int, dict]:
-        return parse_claims(self.dht.get(claims_key(self.cfg.dht_prefix, epoch), latest=True))
+        """An epoch's records; {} when the DHT does not answer within request_timeout (the train
+        loop never waits longer: a claim made blind is checked again at the next renewal)."""
+        future = self.dht.get(claims_key(self.cfg.dht_prefix, epoch), latest=True, return_future=True)
+        try:
+            return parse_claims(future.result(timeout=self.cfg.request_timeout))
+        except Exception as e:  # TimeoutError, or the DHT shutting down under us
+            future.cancel()
+            logger.warning(f"no answer about epoch {epoch}'s shard claims: {e!r}")
+            return {}
 
     def _store(self, epoch: int, shard: int, *, cursor: int, lease_until: float, done: bool = False) -> None:
         record = {"peer": self.peer_id, "token": self.token, "cursor": int(cursor), "lease_until": lease_until,
                   "done": done}
-        self.dht.store(claims_key(self.cfg.dht_prefix, epoch), subkey=str(shard), value=record,
-                       expiration_time=get_dht_time() + RECORD_TTL)
+        future = self.dht.store(claims_key(self.cfg.dht_prefix, epoch), subkey=str(shard), value=record,
+                                expiration_time=get_dht_time() + RECORD_TTL, return_future=True)
+        try:
+            future.result(timeout=self.cfg.request_timeout)
+        except Exception as e:  # the record may still land; the next renewal stores it again
+            future.cancel()
+            logger.warning(f"storing the claim of shard {shard} (epoch {epoch}) did not finish: {e!r}")
 
     def _slot(self, epoch: int, shard: int, cursor: int) -> Slot:
         return Slot(epoch, shard, cursor, cursor, window_order(self.cfg.seed, shard, epoch, self.windows[shard]))
@@ -240,7 +253,12 @@ class ShardClaims:
             rec = self._read(epoch).get(shard, {})
             if rec.get("done") or (rec.get("token") != token and rec.get("lease_until", 0) > get_dht_time()):
                 continue
-            cursor = max(cursor, int(rec.get("cursor", 0)))
+            published = int(rec.get("cursor", 0))
+            cursor = max(cursor, published)
             if cursor < self.windows[shard] and self._claim(epoch, shard, cursor):
-                self.slots.append(self._slot(epoch, shard, cursor))
+                slot = self._slot(epoch, shard, cursor)
+                # a checkpoint newer than our last renewal: its model was trained on the windows
+                # between the two, which the next range reported says
+                slot.logged = min(published, cursor)
+                self.slots.append(slot)
                 logger.info(f"resumed shard {shard} of epoch {epoch} at window {cursor}")
