@@ -273,10 +273,13 @@ def journal_lines(out: Path) -> list[str]:
 def test_killed_and_interrupted_prepare_resume_to_the_same_manifest(tmp_path):
     """SIGKILL or Ctrl-C mid-way, then a re-run: the same manifest as one uninterrupted run."""
     src = tmp_path / "big.txt"
-    src.write_text(pseudo_text(random.Random(11), 3000))  # ~190 KB: ~100 units of 2 KB
-    units = math.ceil(src.stat().st_size / 2000)
-    opts = dict(tokenizer="bytes", shard_mb=0.002, eval_fraction=0.05, workers=1)
-    argv = [str(src), "--tokenizer", "bytes", "--shard-mb", "0.002", "--eval-fraction", "0.05", "--workers", "1",
+    # ~2.5 MB: ~100 units of 25 KB, so that a run is still going when the test (on 2 busy cores)
+    # sees its first records and signals it (CI saw a run of ~100 units finish first)
+    src.write_text(pseudo_text(random.Random(11), 40000))
+    units = math.ceil(src.stat().st_size / 25000)
+    # 1% held out: pieces of ~1.6 KB, ~15 per unit, so that every unit keeps train text
+    opts = dict(tokenizer="bytes", shard_mb=0.025, eval_fraction=0.01, workers=1)
+    argv = [str(src), "--tokenizer", "bytes", "--shard-mb", "0.025", "--eval-fraction", "0.01", "--workers", "1",
             "--quiet"]
     killed, stopped = tmp_path / "killed", tmp_path / "stopped"
     procs = {out: subprocess.Popen([sys.executable, "-m", "p2pdiloco", "prepare", *argv, "--out", str(out)],
@@ -284,8 +287,6 @@ def test_killed_and_interrupted_prepare_resume_to_the_same_manifest(tmp_path):
                                    start_new_session=True)
              for out in (killed, stopped)}
     try:
-        whole = prepare([str(src)], tmp_path / "whole", **opts)  # while the two start up
-        assert len(whole.train) == units > 80
         signals = {killed: signal.SIGKILL, stopped: signal.SIGINT}
         deadline = time.monotonic() + 90
         while signals and time.monotonic() < deadline:
@@ -310,6 +311,8 @@ def test_killed_and_interrupted_prepare_resume_to_the_same_manifest(tmp_path):
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and "run the same command again" in lines[0], err
     assert group_left(procs[stopped].pid) == []
+    whole = prepare([str(src)], tmp_path / "whole", **opts)  # after: the CLI starts fast enough to finish first
+    assert len(whole.train) == units > 80
 
     for out in (killed, stopped):
         assert not (out / "manifest.json").exists(), out.name
