@@ -282,9 +282,12 @@ def test_killed_and_interrupted_prepare_resume_to_the_same_manifest(tmp_path):
     argv = [str(src), "--tokenizer", "bytes", "--shard-mb", "0.025", "--eval-fraction", "0.01", "--workers", "1",
             "--quiet"]
     killed, stopped = tmp_path / "killed", tmp_path / "stopped"
+    # Ctrl-C's default action in the children, as from a terminal: a test run started in the
+    # background (nohup, `cmd &`, as CI may be) inherits SIGINT ignored, and Python keeps it so
     procs = {out: subprocess.Popen([sys.executable, "-m", "p2pdiloco", "prepare", *argv, "--out", str(out)],
                                    stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                   start_new_session=True)
+                                   start_new_session=True,
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
              for out in (killed, stopped)}
     try:
         signals = {killed: signal.SIGKILL, stopped: signal.SIGINT}
