@@ -74,10 +74,10 @@ def run(args: argparse.Namespace) -> int:
 
     configure(quiet=args.quiet)
     try:
-        manifest = prepare(args.inputs, args.out, tokenizer=args.tokenizer,
-                           train_vocab=args.vocab_size if args.train_tokenizer else 0,
-                           train_mb=args.tokenizer_train_mb, eot=args.eot, text_key=args.text_key,
-                           shard_mb=args.shard_mb, eval_fraction=args.eval_fraction, workers=args.workers)
+        prepare(args.inputs, args.out, tokenizer=args.tokenizer,
+                train_vocab=args.vocab_size if args.train_tokenizer else 0, train_mb=args.tokenizer_train_mb,
+                eot=args.eot, text_key=args.text_key, shard_mb=args.shard_mb, eval_fraction=args.eval_fraction,
+                workers=args.workers)
     except DataError as e:
         print(f"p2pdiloco: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -85,7 +85,6 @@ def run(args: argparse.Namespace) -> int:
         print("p2pdiloco: interrupted; run the same command again to finish (finished shards are kept)",
               file=sys.stderr)
         return 130
-    del manifest
     return 0
 
 
