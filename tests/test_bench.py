@@ -32,9 +32,13 @@ def test_every_comparison_runs_at_quick_size(tmp_path, corpus):
     quality = comps["quality"]["runs"]
     assert set(quality) == {"ddp", "sync_h50", "decoupled_h50", "decoupled_h50_int8", "decoupled_h50_int4",
                             "per_contribution_h50", "sync_h100", "decoupled_h100"}
-    for run in quality.values():
-        assert math.isfinite(run["final_eval"]) and run["final_eval"] < math.log(256), run["name"]
-        assert run["tokens"] > 0
+    for name, run in quality.items():
+        assert math.isfinite(run["final_eval"]) and run["tokens"] > 0, name
+        # every mode learns something in 60 steps, except the negative control (one outer step per
+        # contribution, its momentum applied once per member): built to do badly, it ended at 5.59
+        # nats (above uniform) in one CI run; it must only stay finite and not blow up
+        bound = math.log(256) + (0.5 if name == "per_contribution_h50" else 0.0)
+        assert run["final_eval"] < bound, name
     # every mode took part in rounds (the quick size has H = 15 and 60 steps per peer)
     for name in ("sync_h50", "decoupled_h50", "decoupled_h50_int8", "decoupled_h50_int4", "per_contribution_h50"):
         assert any(p["outer_steps_applied"] > 0 for p in quality[name]["peers"].values()), name
