@@ -50,6 +50,7 @@ from p2pdiloco import diloco
 from p2pdiloco.allreduce import ContributionPolicy, CountingAllReduceRunner, RoundReport
 from p2pdiloco.compression import BlockwiseQuantization, bytes_per_value, make_codec
 from p2pdiloco.secret import peer_token
+from p2pdiloco.data.fetch import ShardCache, ShardSharing
 from p2pdiloco.state import SharedState, StateSharing, release_pages
 
 logger = logging.getLogger(__name__)
@@ -96,10 +97,12 @@ class RoundOutcome:
     momentum: Optional[torch.Tensor] = None  # ... and outer momentum, before this round's outer step
 
 
-class DilocoAverager(StateSharing, hivemind.DecentralizedAverager):
+class DilocoAverager(StateSharing, ShardSharing, hivemind.DecentralizedAverager):
     """A DecentralizedAverager whose step() also returns a RoundReport, and that serves chunks of
     `shared` (the trainer's SharedState) to joiners and fetches the swarm's state into `staging`
     (state.StateSharing). hivemind's own one-source download (rpc_download_state) serves nothing.
+    With `shards` (name -> (path, size) of the whole token shards we hold) and `shard_cache`, it
+    serves those shards and fetches others into the cache (data/fetch.py's ShardSharing).
 
     merge_size = N (> 0): the one averaged buffer holds [pseudo-gradient | anchor | momentum], N
     values each. A round averages the first segment only, unless the members' announced anchor
@@ -107,8 +110,10 @@ class DilocoAverager(StateSharing, hivemind.DecentralizedAverager):
     ContributionPolicy and diloco.merge_weights), and nobody needs to download a state."""
 
     def __init__(self, averaged_tensors, dht, *, cfg, shared: Optional[SharedState] = None, slots: int = 1,
-                 merge_size: int = 0, client_mode: Optional[bool] = None, **kwargs):
+                 merge_size: int = 0, client_mode: Optional[bool] = None, shards: Optional[dict] = None,
+                 shard_cache: Optional[ShardCache] = None, **kwargs):
         self._shared, self._cfg = shared, cfg
+        self._shard_files, self._shard_cache, self._shard_banned = dict(shards or {}), shard_cache, set()
         # downloads land in the round buffer when it holds 2N values (idle between rounds), else in their own
         numel = shared.numel if shared is not None else 0
         size = sum(t.numel() for t in averaged_tensors)

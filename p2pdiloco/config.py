@@ -40,9 +40,8 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 # Fields that name files or directories: a leading ~ is the user's home.
 CODECS = ("none", "fp16", "int8", "int4")  # compression.py implements them; kept here so that the
 # operator commands (status, prepare, ...) read a config without importing torch
-PATH_KEYS = ("data", "init_from", "hf_config", "log_dir", "maddrs_file", "identity_path", "checkpoint_dir",
-             "tensorboard_dir",
-             "initial_peers_file")
+PATH_KEYS = ("data", "shard_cache", "init_from", "hf_config", "log_dir", "maddrs_file", "identity_path",
+             "checkpoint_dir", "tensorboard_dir", "initial_peers_file")
 
 # Fields that define the model's shape: peers must agree on them to average together.
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
@@ -81,6 +80,10 @@ class Config:
                                    "(disjoint data, epochs); random = windows drawn at random, like text data.")
     shards_per_peer: int = _f(4, "Prepared tokens with claims: shards a peer reads at once, a window from each in "
                                  "turn, so that its inner steps see more than one region of the corpus.")
+    shard_cache: str = _f("", "Prepared tokens: where shards fetched from peers are kept (a peer needs only the "
+                              "manifest); empty = ~/.cache/p2pdiloco/shards/<the manifest's digest>.")
+    shard_cache_gb: float = _f(16.0, "Prepared tokens: the most GB of fetched shards kept on disk; the least recently "
+                                     "used go first, the shards being read never.")
     eval_fraction: float = _f(0.05, "Fraction of the corpus held out for evaluation (the same for every peer).")
     batch_size: int = _f(16, "Sequences per inner step.")
 
@@ -235,6 +238,8 @@ class Config:
              "outer_apply = per_contribution needs target_group_size <= 16 (it sends that many vectors)")
         need(math.isfinite(self.slowdown) and self.slowdown >= 1, f"slowdown must be >= 1, got {self.slowdown}")
         need(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, f"bad device {self.device!r}")
+        need(math.isfinite(self.shard_cache_gb) and self.shard_cache_gb > 0,
+             f"shard_cache_gb must be > 0, got {self.shard_cache_gb}")
         need(self.data_order in ("claims", "random"), f"data_order must be claims or random, got {self.data_order!r}")
         need(self.reachability in ("auto", "public", "client"),
              f"reachability must be auto, public or client, got {self.reachability!r}")
@@ -318,6 +323,13 @@ class Config:
         if self._manifest is not None:  # prepared tokens: the same tokenizer and shards on every peer
             shared.update(data=self._manifest.digest[:16])
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:12]
+
+    @property
+    def shard_cache_dir(self) -> str:
+        """Where shards fetched from peers go: shard_cache, or one folder per prepared dataset."""
+        if self.shard_cache or self._manifest is None:
+            return self.shard_cache
+        return os.path.join(os.path.expanduser("~/.cache/p2pdiloco/shards"), self._manifest.digest[:16])
 
     @property
     def dht_prefix(self) -> str:

@@ -30,8 +30,9 @@ import torch
 from p2pdiloco import bootstrap, checkpoint, diloco, reachability, schedule, sinks, state, swarm
 from p2pdiloco.averaging import DilocoAverager, RoundRunner, quiet_lonely_rounds
 from p2pdiloco.config import ConfigError
-from p2pdiloco.data import load_data
-from p2pdiloco.data.claims import ShardClaims
+from p2pdiloco.data import DataError, load_data
+from p2pdiloco.data.claims import ShardClaims, Stopped
+from p2pdiloco.data.fetch import ShardCache, ShardSource
 from p2pdiloco.metrics import Metrics
 from p2pdiloco.model import build_model, flat_params, load_flat_, num_params
 from p2pdiloco.outer import PendingRound, SwarmRounds
@@ -97,6 +98,7 @@ class Peer(SwarmRounds):
         self.inner_step = 0
         self.dht = self.averager = self.rounds = self.metrics = None
         self.claims = None  # data/claims.py, for prepared tokens
+        self.shard_source = None  # data/fetch.py: the shards we hold, and the others from peers
         self.pending = None
         self._progress_reading, self._progress_read_at = None, -math.inf
         self.model, self.opt, self.eval_fn = model, inner_opt, eval_fn
@@ -181,9 +183,16 @@ class Peer(SwarmRounds):
         slots = cfg.target_group_size if cfg.outer_apply == "per_contribution" else 1
         # merge_anchors: one buffer for [pseudo-gradient | anchor | momentum], the last two used by merge rounds
         self.merging = cfg.merge_anchors and slots == 1
+        # prepared tokens read in claimed order: we serve the shards we hold and fetch the others
+        data = getattr(self, "data", None)
+        sharing = getattr(data, "fetch", False) and cfg.data_order == "claims"
         self.averager = DilocoAverager([torch.empty(self.numel * (3 if self.merging else slots))], self.dht,
                                        cfg=cfg, shared=self.shared, slots=slots,
-                                       merge_size=self.numel if self.merging else 0, client_mode=self.reach.client)
+                                       merge_size=self.numel if self.merging else 0, client_mode=self.reach.client,
+                                       shards={name: (str(path), path.stat().st_size) for name, path
+                                               in data.paths.items()} if sharing else None,
+                                       shard_cache=ShardCache(cfg.shard_cache_dir, int(cfg.shard_cache_gb * 2**30))
+                                       if sharing else None)
         self.averager.release_staging()  # merge segments and download staging: in memory only while used
         self.rounds = RoundRunner(self.averager, self.dht, cfg)
         # again: hivemind's averager sets SIGINT to ignored when it starts
@@ -204,10 +213,29 @@ class Peer(SwarmRounds):
             live = {}
         epochs = [r["data"]["epoch"] for r in live.values() if isinstance(r.get("data"), dict)
                   and isinstance(r["data"].get("epoch"), int)]
+        self.shard_source = ShardSource(self.data, self.averager, self.dht, self.cfg, self.peer_id,
+                                        stop_event=self.stop_event, report=lambda **r: self.metrics.log("fetch", **r),
+                                        say=self._progress)
+        self.shard_source.announce()
+        self._fetch_held_out()
         self.claims = ShardClaims(self.dht, self.cfg, shards=self.data.claimable(), peer_id=self.peer_id,
                                   on_range=lambda **r: self.metrics.log("data", **r),
-                                  start_epoch=min(epochs) if epochs else 0, width=self.cfg.shards_per_peer)
+                                  start_epoch=min(epochs) if epochs else 0, width=self.cfg.shards_per_peer,
+                                  source=self.shard_source, stop_event=self.stop_event)
         self.data.order = self.claims
+
+    def _fetch_held_out(self) -> None:
+        """The held-out shards we lack, from the peers that hold them (every peer evaluates on all),
+        waiting up to state_timeout for a holder to announce them."""
+        deadline = time.monotonic() + self.cfg.state_timeout
+        for shard in self.data.missing("val"):
+            self._progress(f"p2pdiloco: fetching held-out shard {shard.file} from peers")
+            while not self.shard_source.get(shard, timeout=max(1.0, deadline - time.monotonic())):
+                if self.stop_event.wait(1.0):
+                    return
+                if time.monotonic() >= deadline:
+                    raise DataError(f"the held-out shard {shard.file} is neither in {self.cfg.data} nor at a live "
+                                    f"peer (waited {self.cfg.state_timeout:.0f}s)")
 
     def _build_training(self, own_model: bool) -> None:
         """Checkpoint, data, model, inner optimizer, anchor and outer momentum."""
@@ -435,7 +463,11 @@ class Peer(SwarmRounds):
             for group in self.opt.param_groups:
                 group["lr"] = lr
             t_data = time.perf_counter()
-            x, y = (t.to(self.device, non_blocking=True) for t in self.data.train_batch(cfg.batch_size, self.gen))
+            try:
+                batch = self.data.train_batch(cfg.batch_size, self.gen)
+            except Stopped:  # stopped while waiting for a shard to read: the loop's top ends it
+                continue
+            x, y = (t.to(self.device, non_blocking=True) for t in batch)
             t_compute = time.perf_counter()
             self.data_s += t_compute - t_data
             with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
@@ -521,6 +553,7 @@ class Peer(SwarmRounds):
             return
         if self.claims is not None:
             self.claims.release()
+            self.shard_source.announce(set())
         eval_loss = self._evaluate()
         self.metrics.log("final", inner_step=self.inner_step, outer_step=self.outer_step, eval_loss=eval_loss,
                          eval_bpb=self.bits_per_byte(eval_loss), tokens=self.tokens, data_s=self.data_s,
@@ -556,6 +589,7 @@ class Peer(SwarmRounds):
             self._announced = time.monotonic()
         if self.claims is not None:
             self.claims.renew()
+            self.shard_source.announce()
         swarm.publish_progress(self.dht, self.cfg, self._progress_record(tokens_per_s))
         self._refresh_swarm_outer_step()
 

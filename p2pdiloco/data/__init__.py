@@ -32,7 +32,8 @@ def load_data(cfg, progress=note):
     from p2pdiloco.data.loader import TokenData
 
     if cfg.data and is_prepared(cfg.data):
-        return TokenData(read_manifest(cfg.data), block_size=cfg.block_size, progress=progress)
+        return TokenData(read_manifest(cfg.data), block_size=cfg.block_size, progress=progress,
+                         cache=cfg.shard_cache_dir, fetch=cfg.data_order == "claims")
     path = Path(cfg.data) if cfg.data else default_corpus(progress)
     if cfg.data and not path.exists():
         raise DataError(f"data path does not exist: {path}")

@@ -25,6 +25,12 @@ A peer reads `width` shards at once (`shards_per_peer`), one window from each in
 its inner steps between two rounds would all come from one region of the corpus (one play of
 Shakespeare, one crawl date), which is what a shard of an unshuffled corpus is.
 
+A peer that does not hold every shard (fetch.py, a ShardSource given as `source`) claims a shard
+only once `source.ready(shard)` says it is here (fetching it first if a live peer holds it): a
+shard nobody holds stays free and is claimed later. With fewer ready shards than `width`, it reads
+fewer at once and looks again every lease; with none at all, it waits (stop_event ends the wait:
+`take` raises Stopped).
+
     >>> claims = ShardClaims(dht, cfg, shards=[(index, n_windows), ...], peer_id=peer_id, width=4)
     >>> windows = claims.take(batch_size)       # [(shard index, window index)], claiming as needed
     >>> claims.renew()                          # every log interval: leases and cursors
@@ -36,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -46,6 +53,10 @@ logger = logging.getLogger(__name__)
 
 RECORD_TTL = 7 * 24 * 3600.0  # how long the DHT keeps a shard's record (its cursor, done): a week
 MAX_SEARCHES = 64  # epochs a search for a free shard reads at most (it ends sooner unless peers >> shards)
+
+
+class Stopped(Exception):
+    """The peer is stopping while it waited for a shard to read."""
 
 
 def claims_key(prefix: str, epoch: int) -> str:
@@ -96,7 +107,8 @@ class ShardClaims:
     their windows interleaved, each replaced by the next free shard when read to its end."""
 
     def __init__(self, dht, cfg, *, shards: list[tuple[int, int]], peer_id: str, on_range: Callable = None,
-                 lease_s: Optional[float] = None, start_epoch: int = 0, width: int = 1):
+                 lease_s: Optional[float] = None, start_epoch: int = 0, width: int = 1, source=None,
+                 stop_event=None):
         self.dht = dht
         self.cfg = cfg
         self.windows = {index: n for index, n in shards}  # shard index -> windows, the shards we can read
@@ -112,25 +124,40 @@ class ShardClaims:
         self.slots: list[Slot] = []
         self.turn = 0  # the slot the next window comes from
         self.token = secrets.token_hex(8)
+        self.source = source  # fetch.py's ShardSource, or None: every shard is here
+        self.stop_event = stop_event
+        self._fill_at = 0.0  # when to look again for shards to fill empty slots
 
     # --- reading --------------------------------------------------------------------------
 
     def take(self, n: int) -> list[tuple[int, int]]:
         """The next n (shard, window) pairs of this peer's order, one slot after the other,
         claiming shards as slots empty."""
-        while len(self.slots) < self.width:
-            self.slots.append(self._next_slot())
+        if len(self.slots) < self.width and (not self.slots or time.monotonic() >= self._fill_at):
+            self._fill()
         out: list[tuple[int, int]] = []
-        for _ in range(n):
+        while len(out) < n:
             i = self.turn % len(self.slots)
             self.turn += 1
             slot = self.slots[i]
             if slot.cursor >= self.windows[slot.shard]:
                 self._finish(slot)
-                slot = self.slots[i] = self._next_slot()
+                new = self._next_slot(wait=len(self.slots) == 1)
+                if new is None:  # no other shard ready: read the others
+                    self.slots.pop(i)
+                    continue
+                slot = self.slots[i] = new
             out.append((slot.shard, int(slot.perm[slot.cursor])))
             slot.cursor += 1
         return out
+
+    def _fill(self) -> None:
+        while len(self.slots) < self.width:
+            slot = self._next_slot(wait=not self.slots)
+            if slot is None:  # fewer ready shards than slots: look again in a lease
+                self._fill_at = time.monotonic() + self.lease_s
+                return
+            self.slots.append(slot)
 
     def position(self) -> dict:
         """Where the first slot reads (epoch, shard, cursor) and every slot's [epoch, shard, cursor]."""
@@ -178,8 +205,29 @@ class ShardClaims:
     def _held(self) -> set[tuple[int, int]]:
         return {(s.epoch, s.shard) for s in self.slots}
 
-    def _next_slot(self) -> Slot:
-        """Claim the next free shard, from the oldest epoch not yet done."""
+    def _next_slot(self, wait: bool = True) -> Optional[Slot]:
+        """Claim the next free shard that is ready, from the oldest epoch not yet done. None when
+        none is ready, unless `wait`: then look again until one is (or stop_event)."""
+        waited = False
+        while True:
+            slot = self._search()
+            if slot is not None or not wait:
+                return slot
+            if not waited:
+                logger.warning("no free shard is here or held by a live peer: waiting for one")
+                waited = True
+            if self.stop_event is not None and self.stop_event.wait(2.0):
+                raise Stopped()
+            if self.stop_event is None:
+                time.sleep(2.0)
+
+    def ready(self, shard: int) -> bool:
+        """The shard is here (fetched first if a live peer holds it)."""
+        return self.source is None or self.source.ready(shard)
+
+    def _search(self) -> Optional[Slot]:
+        if self.source is not None and not any(self.source.available(s) for s in self.order):
+            return None  # nothing here and nobody holding anything: no epoch has a shard for us
         epoch = self.floor
         for _ in range(MAX_SEARCHES):
             claims = self._read(epoch)
@@ -198,12 +246,26 @@ class ShardClaims:
                         rec.get("lease_until", 0) > now and rec.get("token") != self.token):
                     continue
                 cursor = min(int(rec.get("cursor", 0)), self.windows[shard])
+                if cursor >= self.windows[shard]:
+                    continue
+                t0 = time.monotonic()
+                if not self.ready(shard):  # not here and no live peer holds it: claimed again later
+                    continue
+                if time.monotonic() - t0 > 1.0:  # fetched meanwhile: is it still free, and where?
+                    rec = self._read(epoch).get(shard, {})
+                    if rec.get("done") or (rec.get("lease_until", 0) > get_dht_time()
+                                           and rec.get("token") != self.token):
+                        continue
+                    cursor = min(int(rec.get("cursor", 0)), self.windows[shard])
                 if cursor < self.windows[shard] and self._claim(epoch, shard, cursor):
                     return self._slot(epoch, shard, cursor)
             epoch += 1  # nothing free here: our own search goes on in the next epoch
         # a swarm far larger than its data: read rather than stall
-        self._claim(epoch, self.order[0], 0, check=False)
-        return self._slot(epoch, self.order[0], 0)
+        here = next((s for s in self.order if self.ready(s)), None)
+        if here is None:
+            return None
+        self._claim(epoch, here, 0, check=False)
+        return self._slot(epoch, here, 0)
 
     def _claim(self, epoch: int, shard: int, cursor: int, check: bool = True) -> bool:
         self._store(epoch, shard, cursor=cursor, lease_until=get_dht_time() + self.lease_s)
@@ -248,7 +310,7 @@ class ShardClaims:
             return
         self.token, self.floor = token, min(floor, *(e for e, _, _ in held)) if held else floor
         for epoch, shard, cursor in held:
-            if shard not in self.windows or len(self.slots) >= self.width:
+            if shard not in self.windows or len(self.slots) >= self.width or not self.ready(shard):
                 continue
             rec = self._read(epoch).get(shard, {})
             if rec.get("done") or (rec.get("token") != token and rec.get("lease_until", 0) > get_dht_time()):

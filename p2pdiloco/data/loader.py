@@ -5,6 +5,10 @@ The sample space is every (shard, window): window k of a shard is its tokens
 pass: all but a shard's first and its last (tokens - 1) % block_size (under one window's worth).
 A batch is `batch_size` windows read with `os.preadv` into one buffer.
 
+A shard is read from the prepared directory or from the cache of shards fetched from peers
+(fetch.py). With `fetch`, a shard in neither place is not an error: the peer claims it only once
+it holds it (`paths` are the shards here; `add` and `forget` follow the cache).
+
 Why not `np.memmap`: a mapping keeps every page the peer has touched in its resident set (and its
 PSS), so a peer's memory would grow with the data it has read, up to the dataset's size; `pread`
 reads through the kernel's page cache, which is shared, reclaimable and not counted against the
@@ -20,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -35,12 +40,16 @@ logger = logging.getLogger(__name__)
 class TokenData:
     """Train and held-out windows over a prepared directory; `train_batch` and `eval_batches` as ByteData."""
 
-    def __init__(self, manifest: Manifest, *, block_size: int, check: bool = True, progress=note):
+    def __init__(self, manifest: Manifest, *, block_size: int, check: bool = True, progress=note,
+                 cache: Optional[str | Path] = None, fetch: bool = False):
         self.manifest = manifest
         self.block_size = block_size
         self.dtype = manifest.dtype
         self.vocab_size = manifest.vocab_size
+        self.cache = Path(cache) if cache else None
+        self.fetch = fetch
         self.bad: list[str] = []
+        self.paths: dict[str, Path] = {}  # the shards here, whole
         self._fds: dict[str, int] = {}
         train = self._usable(manifest.train, check, progress)
         val = self._usable(manifest.val, check, progress)
@@ -54,28 +63,64 @@ class TokenData:
                             f"prepare with a larger --eval-fraction or use a smaller block_size")
         self.index = {s.file: i for i, s in enumerate(manifest.train)}  # a shard's place in the manifest
         self.order = None  # a ShardClaims: the swarm's disjoint order (set by the peer); None: random windows
-        self._train_ends = np.cumsum([n for _, n in self.train])
+        # random windows (data_order = random, the other ranks of a torchrun peer): the shards here
+        self._random = [(s, n) for s, n in self.train if s.file in self.paths]
+        self._train_ends = np.cumsum([n for _, n in self._random]) if self._random else np.zeros(1, dtype=np.int64)
         self._val_ends = np.cumsum([n for _, n in self.val])
         self.train_windows = int(self._train_ends[-1])
 
     def _usable(self, shards: list[Shard], check: bool, progress) -> list[Shard]:
-        """The shards whose files are whole (size and sha256); each bad one is reported once, by name."""
+        """The shards whose files are whole (size and sha256), here or in the cache; each bad one is
+        reported once, by name. With `fetch`, the others too: they can come from peers."""
         good = []
         for shard in shards:
-            problem = check_shard(self.manifest, shard) if check else None
-            if problem is None and not check and not (self.manifest.root / shard.file).is_file():
-                problem = f"{shard.file} is missing"
-            if problem:
-                self.bad.append(shard.file)
-                progress(f"p2pdiloco: not training on shard {problem}")
-                continue
+            places = [self.manifest.root / shard.file] + ([self.cache / shard.file] if self.cache else [])
+            problems = []
+            for path in places:
+                if not path.is_file():
+                    continue
+                problem = check_shard(self.manifest, shard, path) if check else None
+                if problem is None:
+                    self.paths[shard.file] = path
+                    break
+                problems.append(problem)
+            if shard.file not in self.paths:
+                if problems or not self.fetch:
+                    self.bad.append(shard.file)
+                    why = problems[0] if problems else f"{shard.file} is missing"
+                    progress(f"p2pdiloco: not training on shard {why}" + (" (fetching it from peers instead)"
+                                                                          if self.fetch else ""))
+                if not self.fetch:
+                    continue
             good.append(shard)
         return good
+
+    def add(self, name: str, path: Path) -> None:
+        """A shard fetched into the cache (whole, checked)."""
+        self.paths[name] = path
+
+    def forget(self, name: str) -> None:
+        """A shard the cache let go."""
+        fd = self._fds.pop(name, None)
+        if fd is not None:
+            os.close(fd)
+        self.paths.pop(name, None)
+
+    def reading(self) -> list[str]:
+        """The shards the claimed order reads now (the cache keeps them)."""
+        slots = self.order.slots if self.order is not None else []
+        return [self.manifest.train[s.shard].file for s in slots]
+
+    def missing(self, split: str = "val") -> list[Shard]:
+        return [s for s, _ in getattr(self, split) if s.file not in self.paths]
 
     def _fd(self, shard: Shard) -> int:
         fd = self._fds.get(shard.file)
         if fd is None:
-            fd = self._fds[shard.file] = os.open(self.manifest.root / shard.file, os.O_RDONLY)
+            path = self.paths.get(shard.file)
+            if path is None:
+                raise DataError(f"shard {shard.file} is not here (it is fetched from peers before it is read)")
+            fd = self._fds[shard.file] = os.open(path, os.O_RDONLY)
         return fd
 
     def read_windows(self, windows: list[tuple[Shard, int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,8 +148,11 @@ class TokenData:
         if self.order is not None:
             shards = self.manifest.train
             return self.read_windows([(shards[i], k) for i, k in self.order.take(batch_size)])
+        if not self._random:
+            raise DataError(f"{self.manifest.root}: no train shard is here, and windows drawn at random are read from "
+                            f"local shards only (data_order = claims fetches shards from peers)")
         picks = torch.randint(0, self.train_windows, (batch_size,), generator=generator).tolist()
-        return self.read_windows([self._window(self._train_ends, self.train, g) for g in picks])
+        return self.read_windows([self._window(self._train_ends, self._random, g) for g in picks])
 
     def eval_batches(self, batch_size: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A fixed set of held-out batches, the same on every peer."""

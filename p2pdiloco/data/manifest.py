@@ -141,9 +141,10 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def check_shard(manifest: Manifest, shard: Shard) -> Optional[str]:
-    """None when the shard's file is whole (size and sha256 as the manifest says), else why not."""
-    path = manifest.root / shard.file
+def check_shard(manifest: Manifest, shard: Shard, path: Optional[Path] = None) -> Optional[str]:
+    """None when the shard's file (in the prepared directory, or `path`) is whole (size and sha256
+    as the manifest says), else why not."""
+    path = manifest.root / shard.file if path is None else path
     try:
         size = path.stat().st_size
         if size != shard.tokens * manifest.dtype.itemsize:
