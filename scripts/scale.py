@@ -5,6 +5,7 @@
     python scripts/scale.py join --size real --sources 3                          # 85M joins from 3 sources
     python scripts/scale.py join --size medium --sources 4 --rate-mbit 50         # ... behind 50 Mbit/s (netns)
     python scripts/scale.py join --size small --rate-mbit 20 --leave --stop       # a source dies; a SIGTERM
+    python scripts/scale.py join --size small --sources 2 --data DIR --manifest-only   # shards from peers too
     python scripts/scale.py swarm --sizes 2 4 8 16 --plot docs/img/scale-swarm.png
     python scripts/scale.py peers --size tiny --duration 10                       # the suite's sizes
 
@@ -18,6 +19,9 @@ parameter beyond the model, its gradients and AdamW's state (16 more), plus 1.5 
 
 `join`: sources that share state (and never average), then joiners one after the other: seconds,
 MB/s, sources used; with --rate-mbit each source sits in a network namespace behind that limit.
+With --data DIR (prepared by `p2pdiloco prepare`) and --manifest-only, each joiner holds only the
+manifest: it fetches the held-out shards and the train shards it claims from the sources (data/
+fetch.py), and the shard fetches' MB/s are printed beside the state download's (issue 19: >= 0.8).
 
 `swarm`: 2..16 tiny peers paced by --slowdown: group sizes, rounds per minute, round time, DHT
 bytes per peer per round, as the swarm grows.
@@ -150,7 +154,7 @@ def run_peers(size: str, duration: float, workdir: Path, data: str = "") -> dict
 
 
 def run_join(size: str, sources: int, repeats: int, workdir: Path, *, rate_mbit: float = 0.0,
-             data: str = "", leave: bool = False, stop: bool = False) -> dict:
+             data: str = "", leave: bool = False, stop: bool = False, manifest_only: bool = False) -> dict:
     """`sources` peers share state; a joiner (then another, `repeats` times) downloads it and stops.
     rate_mbit: every source in its own network namespace behind that limit (both directions),
     the joiner's link unlimited: the sources' uplinks are the bottleneck, as the issue frames it.
@@ -194,7 +198,10 @@ def run_join(size: str, sources: int, repeats: int, workdir: Path, *, rate_mbit:
 
         for r in range(repeats):
             name = f"j{r}"
-            start(sources, name, "--max-inner-steps", "1", join=live)
+            own = volunteer_copy(Path(data), workdir / f"{name}-data") if manifest_only else None
+            start(sources, name, "--max-inner-steps", "1", *(["--data", str(own), "--shard-cache",
+                                                              str(workdir / f"{name}-cache")] if own else []),
+                  join=live)
             left = None
             if leave and len(live) > 1:
                 downloading(name)
@@ -203,9 +210,13 @@ def run_join(size: str, sources: int, repeats: int, workdir: Path, *, rate_mbit:
             swarm.wait_for(lambda: swarm.events(name, "join") or swarm.peers[name].proc.poll() is not None,
                            timeout=600, what=f"{name}'s download")
             event = (swarm.events(name, "join") or [{}])[0]
+            code = swarm.wait_exit(name, timeout=120)
             joins.append({"download_s": event.get("download_s"), "sources": event.get("sources"),
-                          "source_killed": left, "exit_code": swarm.wait_exit(name, timeout=120),
-                          "traceback": "Traceback" in swarm.stderr(name, tail=1 << 30)})
+                          "source_killed": left, "exit_code": code,
+                          "traceback": "Traceback" in swarm.stderr(name, tail=1 << 30),
+                          "fetches": [{"shard": f["shard"], "mb": sum(f["bytes"].values()) / 1e6,
+                                       "seconds": f["seconds"], "sources": len(f["bytes"])}
+                                      for f in swarm.events(name, "fetch") if f.get("ok")]})
         stopped = None
         if stop:
             start(sources, "stopped", join=live)
@@ -222,8 +233,22 @@ def run_join(size: str, sources: int, repeats: int, workdir: Path, *, rate_mbit:
     for j in joins:
         j["mb_per_s"] = state_mb / j["download_s"] if j["download_s"] else None
         j["x_link"] = j["download_s"] / link_s if link_s and j["download_s"] else None
+        train = [f for f in j["fetches"] if f["shard"].startswith("train")]
+        mb, seconds = sum(f["mb"] for f in train), sum(f["seconds"] for f in train)
+        j["fetch_mb_per_s"] = mb / seconds if seconds else None
+        j["fetch_vs_state"] = j["fetch_mb_per_s"] / j["mb_per_s"] if j["fetch_mb_per_s"] and j["mb_per_s"] else None
     return {"size": size, "params": numel, "state_mb": state_mb, "sources": sources, "rate_mbit": rate_mbit,
             "link_s": link_s, "joins": joins, "stopped": stopped, "exit_codes": exit_codes}
+
+
+def volunteer_copy(data: Path, dest: Path) -> Path:
+    """A prepared directory with its manifest (and tokenizer file) only: the shards come from peers."""
+    dest.mkdir(parents=True, exist_ok=True)
+    manifest = json.loads((data / "manifest.json").read_text())
+    for name in ("manifest.json", manifest["tokenizer"].get("file")):
+        if name:
+            (dest / name).write_bytes((data / name).read_bytes())
+    return dest
 
 
 def _io_bytes(pid: int) -> int:
@@ -339,6 +364,12 @@ def print_join(result: dict) -> None:
         killed = f" ({j['source_killed']} SIGKILLed 1 s in)" if j["source_killed"] else ""
         print(f"join {i}: {took} from {j['sources']} source(s){killed}{rate}{vs}; exit {j['exit_code']}"
               f"{'; TRACEBACK in its log' if j['traceback'] else ''}")
+        for f in j["fetches"]:
+            print(f"  fetched {f['shard']}: {f['mb']:.1f} MB in {f['seconds']:.2f} s from {f['sources']} "
+                  f"source(s), {f['mb'] / max(f['seconds'], 1e-9):.0f} MB/s")
+        if j["fetch_mb_per_s"]:
+            vs_state = f", {j['fetch_vs_state']:.2f}x the state download's" if j["fetch_vs_state"] else ""
+            print(f"  train shards: {j['fetch_mb_per_s']:.0f} MB/s{vs_state}")
     if result["stopped"]:
         st = result["stopped"]
         print(f"SIGTERM 1 s into a download: exited {st['exit_s']:.1f} s later with code {st['exit_code']}"
@@ -381,6 +412,8 @@ def main(argv=None) -> int:
     join.add_argument("--repeats", type=int, default=2, help="joiners, one after the other")
     join.add_argument("--leave", action="store_true", help="SIGKILL a source 1 s into each download")
     join.add_argument("--stop", action="store_true", help="one more joiner, SIGTERMed 1 s into its download")
+    join.add_argument("--manifest-only", action="store_true",
+                      help="joiners hold only the manifest of --data (a prepared DIR): shards come from the sources")
     join.add_argument("--rate-mbit", type=float, default=0.0,
                       help="each source in a network namespace behind this limit (needs root); 0 = loopback")
     sweep = sub.add_parser("swarm", help="2..16 paced tiny peers: group sizes, rounds/min, round time, DHT bytes")
@@ -398,6 +431,8 @@ def main(argv=None) -> int:
         parser.error("--sizes must be 2..32 peers each")
     if args.mode == "join" and not (1 <= args.sources <= 8 and 1 <= args.repeats <= 10 and args.rate_mbit >= 0):
         parser.error("--sources must be 1..8, --repeats 1..10, --rate-mbit >= 0")
+    if args.mode == "join" and args.manifest_only and not (Path(args.data) / "manifest.json").is_file():
+        parser.error("--manifest-only needs --data DIR, a directory made by `p2pdiloco prepare`")
     from chaos import _terminate
     signal.signal(signal.SIGTERM, _terminate)  # SIGTERM unwinds through the finallys that stop the peers
     out = Path(args.out or tempfile.mkdtemp(prefix="p2pdiloco-scale-"))
@@ -420,7 +455,7 @@ def main(argv=None) -> int:
                 print(f"scale.py: --rate-mbit needs network namespaces: {why}", file=sys.stderr)
                 return 2
         result = run_join(args.size, args.sources, args.repeats, out / "peers", rate_mbit=args.rate_mbit,
-                          data=args.data, leave=args.leave, stop=args.stop)
+                          data=args.data, leave=args.leave, stop=args.stop, manifest_only=args.manifest_only)
         print_join(result)
     (out / "result.json").write_text(json.dumps(result, indent=1))
     print(f"result.json in {out}")

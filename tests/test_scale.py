@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from p2pdiloco.data.prepare import prepare
 from tests.conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -39,9 +40,14 @@ def test_scale_peers_measures_every_process(tmp_path, corpus):
 
 @pytest.mark.timeout(300)
 def test_a_join_takes_chunks_from_every_source(tmp_path, corpus):
-    r = scale.run_join("tiny", 3, 1, tmp_path / "peers", data=str(corpus))
+    """The state from 3 sources, and (the joiner holding only the manifest) shards from them too."""
+    tokens = tmp_path / "tokens"
+    prepare([str(corpus)], tokens, tokenizer="bytes", shard_mb=0.05, workers=1, progress=lambda _: None)
+    r = scale.run_join("tiny", 3, 1, tmp_path / "peers", data=str(tokens), manifest_only=True)
     (join,) = r["joins"]
     assert join["sources"] == 3 and join["exit_code"] == 0 and not join["traceback"], r
+    train = [f for f in join["fetches"] if f["shard"].startswith("train")]
+    assert len(train) == 4 and all(f["sources"] >= 2 for f in train) and join["fetch_vs_state"] > 0, join
 
 
 @pytest.mark.timeout(420)

@@ -192,6 +192,7 @@ class ShardSharing:
                    if index in held and peer != str(self.peer_id) and peer not in banned][:MAX_SOURCES]
         if not holders:
             return {"ok": False, "reason": "no live peer holds it"}
+        lookup_s = time.monotonic() - t0
         cache: ShardCache = self._shard_cache
         evicted = cache.make_room(size, keep)
         for gone in evicted:
@@ -201,19 +202,20 @@ class ShardSharing:
         corrupt: list[str] = []
         try:
             chunk = max(2**15, min(CHUNK_BYTES, math.ceil(size / (4 * len(holders)))))
-            by_chunk = await self._fetch_file(part, name, holders, size, chunk, received)
+            by_chunk, digest = await self._fetch_file(part, name, holders, size, chunk, received)
             if by_chunk is None:
                 return {"ok": False, "reason": "every holder left or failed during the fetch", "evicted": evicted}
             good = part
-            if file_digest(part) != sha256:
+            if digest != sha256:
                 # someone served wrong bytes: one source at a time; the first whole copy names the culprits
                 good, mixed = None, set(by_chunk.values())
                 for source in holders:
                     if len(mixed) == 1 and source in mixed:
                         continue  # it alone served the bad copy
-                    if await self._fetch_file(other, name, [source], size, chunk, received) is None:
+                    alone, digest = await self._fetch_file(other, name, [source], size, chunk, received)
+                    if alone is None:
                         continue
-                    if file_digest(other) == sha256:
+                    if digest == sha256:
                         good = other
                         break
                     corrupt.append(source)
@@ -228,21 +230,35 @@ class ShardSharing:
             path = cache.path(name)
             os.replace(good, path)
             self._shard_files[name] = (str(path), size)
-            return {"ok": True, "path": str(path), "seconds": time.monotonic() - t0, "bytes": dict(received),
-                    "corrupt": sorted(set(corrupt)), "evicted": evicted}
+            return {"ok": True, "path": str(path), "seconds": time.monotonic() - t0, "lookup_s": lookup_s,
+                    "bytes": dict(received), "corrupt": sorted(set(corrupt)), "evicted": evicted}
         finally:
             part.unlink(missing_ok=True)
             other.unlink(missing_ok=True)
 
     async def _fetch_file(self, path: Path, name: str, sources: list[str], size: int, chunk: int,
-                          received: collections.Counter) -> Optional[dict[int, str]]:
-        """Every chunk of the file from `sources` into `path`: chunk index -> its source, or None
-        when the sources all failed first."""
+                          received: collections.Counter) -> tuple[Optional[dict[int, str]], str]:
+        """Every chunk of the file from `sources` into `path`: (chunk index -> its source, the
+        file's sha256), or (None, "") when the sources all failed first. The chunks are hashed in
+        order as they land, in a thread, while the later ones stream."""
         n_chunks = max(1, math.ceil(size / chunk))
         chunks = collections.deque(range(n_chunks))
         by_chunk: dict[int, str] = {}
         gone: dict[str, str] = {}
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        hasher, hashed, hashing = hashlib.sha256(), [0], asyncio.Lock()
+        loop = asyncio.get_running_loop()
+
+        def hash_chunk(i: int) -> None:
+            hasher.update(os.pread(fd, min(size, (i + 1) * chunk) - i * chunk, i * chunk))
+
+        async def advance() -> None:
+            async with hashing:
+                while hashed[0] in by_chunk:
+                    await loop.run_in_executor(None, hash_chunk, hashed[0])
+                    hashed[0] += 1
+
+        pending: list[asyncio.Task] = []
         try:
             async def worker(source: str) -> None:
                 peer = PeerID.from_base58(source)
@@ -250,7 +266,7 @@ class ShardSharing:
                     if not chunks:  # others hold the last chunks: take one back if its source fails
                         if all(s in gone for s in sources if s != source):
                             return
-                        await asyncio.sleep(0.05)
+                        await asyncio.sleep(0.005)  # short: the fetch ends when the last chunk lands
                         continue
                     i = chunks.popleft()
                     start, stop = i * chunk, min(size, (i + 1) * chunk)
@@ -262,14 +278,21 @@ class ShardSharing:
                         return
                     by_chunk[i] = source
                     received[source] += stop - start
+                    if i == hashed[0]:
+                        pending.append(asyncio.create_task(advance()))
 
             # interleaved: every source's first worker takes a chunk before any second one
             await asyncio.gather(*(worker(s) for _ in range(IN_FLIGHT) for s in sources))
+            await asyncio.gather(*pending)
+            if len(by_chunk) == n_chunks:
+                await advance()
         finally:
+            for task in pending:
+                task.cancel()
             os.close(fd)
         for source, why in gone.items():
             logger.info(f"shard holder {source[-6:]} dropped ({why}); its chunks went to the others")
-        return by_chunk if len(by_chunk) == n_chunks else None
+        return (by_chunk, hasher.hexdigest()) if len(by_chunk) == n_chunks else (None, "")
 
     async def _shard_request(self, peer: PeerID, fd: int, name: str, start: int, stop: int) -> None:
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
@@ -289,14 +312,6 @@ class ShardSharing:
                 offset += len(data)
         if header is None or offset != stop:
             raise _HolderGone(f"stream ended after {offset - start} of {stop - start} bytes")
-
-
-def file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _differing(bad: Path, good: Path, by_chunk: dict[int, str], chunk: int) -> list[str]:
@@ -386,6 +401,7 @@ class ShardSource:
                 self.say(f"p2pdiloco: peer {source} served bytes of {shard.file} that do not match the "
                          f"manifest's sha256: not asking it for shards again")
         self.report(shard=shard.file, ok=bool(result.get("ok")), seconds=result.get("seconds"),
+                    lookup_s=result.get("lookup_s"),
                     bytes=result.get("bytes"), corrupt=result.get("corrupt") or None,
                     evicted=result.get("evicted") or None,
                     reason=None if result.get("ok") else result.get("reason"))
