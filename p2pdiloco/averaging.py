@@ -49,8 +49,8 @@ from hivemind.utils.timed_storage import get_dht_time
 from p2pdiloco import diloco
 from p2pdiloco.allreduce import ContributionPolicy, CountingAllReduceRunner, RoundReport
 from p2pdiloco.compression import BlockwiseQuantization, bytes_per_value, make_codec
-from p2pdiloco.secret import peer_token
 from p2pdiloco.data.fetch import ShardCache, ShardSharing
+from p2pdiloco.secret import peer_token
 from p2pdiloco.state import SharedState, StateSharing, release_pages
 
 logger = logging.getLogger(__name__)

@@ -70,7 +70,7 @@ OPERATOR_COMMANDS = [
     ("plot", "p2pdiloco.plot", "Plot the metrics of one or more --log-dir directories into a PNG."),
     ("prepare", "p2pdiloco.data.prepare", "Tokenize text into token shards and a manifest for join --data."),
     ("export", "p2pdiloco.export", "Write a checkpoint's anchor as a transformers model directory."),
-    ("sample", "p2pdiloco.sample", "Print continuations of a prompt from a checkpoint's anchor."),
+    ("sample", "p2pdiloco.sample", "Print continuations of a prompt from a checkpoint or a live swarm."),
 ]
 
 

@@ -329,7 +329,8 @@ class Config:
         """Where shards fetched from peers go: shard_cache, or one folder per prepared dataset."""
         if self.shard_cache or self._manifest is None:
             return self.shard_cache
-        return os.path.join(os.path.expanduser("~/.cache/p2pdiloco/shards"), self._manifest.digest[:16])
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+        return os.path.join(base, "p2pdiloco", "shards", self._manifest.digest[:16])
 
     @property
     def dht_prefix(self) -> str:
@@ -430,7 +431,12 @@ def _init_from(cfg) -> str:
 
 
 def _read_data_manifest(data: str):
-    """The manifest when `data` is a prepared directory (None for text); a bad one is a ConfigError."""
+    """The manifest when `data` is a prepared directory (None for text); a bad one is a ConfigError.
+    A built-in dataset's name (data/builtin.py) gives its vocabulary and digest, prepared or not."""
+    from p2pdiloco.data.builtin import BUILTIN
+
+    if data in BUILTIN and not os.path.exists(data):
+        return BUILTIN[data]
     if not data or not os.path.isdir(data) or not os.path.exists(os.path.join(data, "manifest.json")):
         return None
     from p2pdiloco.data.manifest import ManifestError, read_manifest

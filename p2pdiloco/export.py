@@ -62,11 +62,13 @@ def load_anchor_model(cfg):
 
 def tokenizer_of(cfg):
     """(our Tokenizer, the manifest or None) of the config's data: bytes for text data."""
+    from p2pdiloco.data import data_path
     from p2pdiloco.data.manifest import is_prepared, read_manifest
     from p2pdiloco.data.tokenizer import Tokenizer, tokenizer_from_json
 
-    if cfg.data and is_prepared(cfg.data):
-        manifest = read_manifest(cfg.data)
+    data = data_path(cfg.data)
+    if data and is_prepared(data):
+        manifest = read_manifest(data)
         return tokenizer_from_json(manifest.tokenizer_text(), manifest.eot_id), manifest
     return Tokenizer(), None
 
@@ -132,11 +134,12 @@ def run_with_config(args, body) -> int:
     from p2pdiloco.checkpoint import CheckpointError
     from p2pdiloco.cli import resolve_config
     from p2pdiloco.data import DataError
+    from p2pdiloco.swarm import SwarmError
 
     cfg = resolve_config(args)
     try:
         body(cfg)
-    except (ExportError, CheckpointError, DataError) as e:
+    except (ExportError, CheckpointError, DataError, SwarmError) as e:
         print(f"p2pdiloco: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as e:

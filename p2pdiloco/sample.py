@@ -1,11 +1,14 @@
-"""`p2pdiloco sample`: continuations of a prompt from the anchor of a checkpoint (nanoGPT's
-`sample.py`: temperature and top-k, each sample cut at the end-of-text token), so that a user
-sees what the swarm has learned.
+"""`p2pdiloco sample`: continuations of a prompt from the anchor of a checkpoint or of a live
+swarm (nanoGPT's `sample.py`: temperature and top-k, each sample cut at the end-of-text token), so
+that a user sees what the swarm has learned.
 
     p2pdiloco sample --config peers/tiny-cpu.toml --data data/mine --checkpoint-dir ckpt --prompt "The king"
+    p2pdiloco sample --config peers/tiny-cpu.toml --data data/mine --initial-peers ADDR --prompt "The king"
 
-The preset and flags are the ones the peer trained with (the checkpoint must match them); the
-tokenizer is the prepared data's, or bytes for text data.
+The preset and flags are the ones the peers train with (the checkpoint or the run must match
+them); the tokenizer is the prepared data's, or bytes for text data. From a live swarm, the
+sampler downloads the newest state as a joiner does (state.py, from several peers), as a client:
+it serves nothing, joins no round, and leaves when it has printed.
 """
 
 from __future__ import annotations
@@ -46,10 +49,50 @@ def generate(model, idx, *, max_new_tokens: int, block_size: int, temperature: f
     return idx
 
 
+def load_live_model(cfg):
+    """The config's model holding the anchor of the live swarm's newest state (from initial_peers)."""
+    import torch
+
+    from p2pdiloco import bootstrap, state, swarm
+    from p2pdiloco.averaging import DilocoAverager
+    from p2pdiloco.export import ExportError
+    from p2pdiloco.model import build_model, load_flat_, num_params
+
+    cfg.client_mode = True  # not a DHT server, not a state source: a reader
+    dht = averager = None
+    try:
+        dht = bootstrap.start_dht(cfg)
+        swarm.check_run_config(dht, cfg)
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg, pretrained=False)  # the anchor replaces every weight
+        numel = num_params(model)
+        averager = DilocoAverager([torch.empty(numel)], dht, cfg=cfg, shared=state.SharedState(numel),
+                                  client_mode=True)
+        loaded = state.download_state(averager, cfg, numel, timeout=cfg.state_timeout)
+        if loaded is None:
+            raise ExportError(f"no live peer of run {cfg.run_id!r} shared its state within {cfg.state_timeout:.0f}s "
+                              f"(--state-timeout)")
+        load_flat_(model, loaded.anchor.float())
+        return model.eval(), f"the live swarm ({len(loaded.sources)} source(s))", loaded.outer_step
+    finally:
+        if averager is not None:
+            averager.shutdown()
+        if dht is not None:
+            dht.shutdown()
+
+
 def sample(cfg, args, out=sys.stdout) -> None:
     import torch
 
-    model, path, outer_step = load_anchor_model(cfg)
+    from p2pdiloco.export import ExportError
+
+    if cfg.checkpoint_dir:
+        model, path, outer_step = load_anchor_model(cfg)
+        where = path.name
+    elif cfg.initial_peers:
+        model, where, outer_step = load_live_model(cfg)
+    else:
+        raise ExportError("pass --checkpoint-dir (a peer's checkpoints) or --initial-peers (a live swarm)")
     tok, manifest = tokenizer_of(cfg)
     eot = tok.eot_id if manifest is not None else None
     prompt = [int(i) for i in tok.encode_batch([args.prompt])[0]] or [eot if eot is not None else 10]
@@ -57,7 +100,7 @@ def sample(cfg, args, out=sys.stdout) -> None:
     g = torch.Generator().manual_seed(args.sample_seed)
     idx = generate(model, idx, max_new_tokens=args.max_new_tokens, block_size=cfg.block_size,
                    temperature=args.temperature, top_k=args.top_k, eot_id=eot, generator=g)
-    print(f"# {path.name}, outer step {outer_step}", file=out)
+    print(f"# {where}, outer step {outer_step}", file=out)
     for row in idx.tolist():
         new = row[len(prompt):]
         if eot is not None and eot in new:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from p2pdiloco.config import MODEL_KEYS, Config, ConfigError
+from tests.conftest import make_corpus
 
 ROOT = Path(__file__).parents[1]
 
@@ -34,6 +35,24 @@ def test_presets_load():
     assert small.run_id == "small-gpu"
     assert (small.n_layer, small.n_head, small.n_embd, small.block_size) == (12, 12, 768, 512)
     assert small.fingerprint() != tiny.fingerprint()
+
+
+def test_gpu_presets_train_on_the_builtin_bpe_without_preparing_it_to_read_a_config(monkeypatch, tmp_path):
+    """small-gpu and volunteer name the built-in Shakespeare BPE: the config knows its vocabulary and
+    digest (the fingerprint) before anything is prepared; a peer prepares it on first use and checks
+    the digest (here on a stand-in corpus, offline: the digest differs, one line, nothing trained)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    for preset in ("small-gpu", "volunteer"):
+        cfg = Config.from_sources(ROOT / "peers" / f"{preset}.toml")
+        assert cfg.data == "shakespeare-bpe" and cfg.vocab_size == 4096
+    assert not (tmp_path / "cache").exists()
+    (tmp_path / "cache" / "p2pdiloco").mkdir(parents=True)
+    make_corpus(tmp_path / "cache" / "p2pdiloco" / "shakespeare.txt", size=100_000)
+    from p2pdiloco.data import DataError, data_path
+
+    with pytest.raises(DataError, match="does not hold the shakespeare-bpe this p2pdiloco expects"):
+        data_path("shakespeare-bpe", progress=lambda _: None)
+    assert (tmp_path / "cache" / "p2pdiloco" / "shakespeare-bpe" / "manifest.json").is_file()
 
 
 def test_volunteer_preset_is_for_the_public_internet(monkeypatch, tmp_path):
@@ -206,7 +225,9 @@ def test_gpt_fingerprints_are_pinned():
     """hf_config added a branch to fingerprint(); peers of the built-in GPT must still meet older peers."""
     assert Config().fingerprint() == "b5e83b63bc6b"
     assert Config.from_sources(ROOT / "peers" / "tiny-cpu.toml").fingerprint() == "9a72283f6db1"
-    assert Config.from_sources(ROOT / "peers" / "small-gpu.toml").fingerprint() == "8d3cc7495696"
+    # the preset on bytes (its data before the built-in BPE), and on the built-in BPE (data/builtin.py)
+    assert Config.from_sources(ROOT / "peers" / "small-gpu.toml", {"data": ""}).fingerprint() == "8d3cc7495696"
+    assert Config.from_sources(ROOT / "peers" / "small-gpu.toml").fingerprint() == "d10e031b8e79"
     assert Config(compression="int8").fingerprint() == "23466204c2fd"
 
 

@@ -14,6 +14,7 @@ from p2pdiloco.config import Config
 from p2pdiloco.data.manifest import read_manifest
 from p2pdiloco.data.prepare import prepare
 from p2pdiloco.export import load_anchor_model
+from p2pdiloco.localswarm import LocalSwarm
 from tests.conftest import ROOT, TINY, make_corpus
 
 pytestmark = pytest.mark.timeout(240)
@@ -86,6 +87,27 @@ def test_sample_prints_continuations(trained):
     assert samples[0].startswith("# ckpt-")
     bodies = [s.splitlines()[-1] if i == 0 else s for i, s in enumerate(samples)]
     assert len(bodies) == 2 and all(b.startswith("the king") and len(b) > len("the king") for b in bodies), samples
+
+
+def test_sample_from_a_live_swarm(trained, tmp_path):
+    """`sample --initial-peers` downloads the swarm's newest state from its live peers (as a client)
+    and prints continuations from it; the peers train on."""
+    root, _ = trained
+    data = ["--data", str(root / "tokens")]
+    with LocalSwarm(tmp_path, config=TINY, extra_args=[*data, "--inner-steps", "20"]) as swarm:
+        swarm.start("a")
+        swarm.start("b", join="a")
+        swarm.wait_for(lambda: any(e["outer_step"] >= 1 for e in swarm.events("a", "outer")), timeout=90,
+                       what="a round")
+        proc = cli("sample", "--config", TINY, *data, "--initial-peers", swarm.maddr("a"), "--prompt", "the king",
+                   "--num-samples", "2", "--max-new-tokens", "20")
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+        header, *rest = [s.strip() for s in proc.stdout.split("-" * 40) if s.strip()]
+        first, body = header.splitlines()[0], "\n".join(header.splitlines()[1:])
+        assert first.startswith("# the live swarm (") and int(first.rsplit(" ", 1)[1]) >= 1, first
+        assert all(b.startswith("the king") for b in [body, *rest]) and len(rest) == 1, proc.stdout
+        steps = len(swarm.events("a", "inner"))
+        swarm.wait_for(lambda: len(swarm.events("a", "inner")) > steps, timeout=30, what="a training on")
 
 
 @pytest.mark.parametrize("extra, fragment", [

@@ -23,7 +23,14 @@ from p2pdiloco.progress import note  # noqa: E402
 
 _LAZY = {"ByteData": "corpus", "default_corpus": "corpus", "pip_progress": "corpus", "read_text_bytes": "corpus",
          "TokenData": "loader"}
-__all__ = ["DataError", "ManifestError", "is_prepared", "load_data", "read_manifest", *_LAZY]
+__all__ = ["DataError", "ManifestError", "data_path", "is_prepared", "load_data", "read_manifest", *_LAZY]
+
+
+def data_path(data: str, progress=note) -> str:
+    """`data` itself, or the prepared directory of a built-in dataset's name (prepared on first use)."""
+    from p2pdiloco.data.builtin import is_builtin, resolve
+
+    return str(resolve(data, progress)) if is_builtin(data) and not Path(data).exists() else data
 
 
 def load_data(cfg, progress=note):
@@ -31,8 +38,9 @@ def load_data(cfg, progress=note):
     from p2pdiloco.data.corpus import ByteData, default_corpus, read_text_bytes
     from p2pdiloco.data.loader import TokenData
 
-    if cfg.data and is_prepared(cfg.data):
-        return TokenData(read_manifest(cfg.data), block_size=cfg.block_size, progress=progress,
+    data = data_path(cfg.data, progress)
+    if data and is_prepared(data):
+        return TokenData(read_manifest(data), block_size=cfg.block_size, progress=progress,
                          cache=cfg.shard_cache_dir, fetch=cfg.data_order == "claims")
     path = Path(cfg.data) if cfg.data else default_corpus(progress)
     if cfg.data and not path.exists():

@@ -343,7 +343,10 @@ class ShardSource:
         self.ttl = max(30.0, 4 * cfg.log_interval)
 
     def announce(self, held: Optional[set[int]] = None) -> None:
-        """Our holdings under our peer id (an empty bitmap at a clean stop)."""
+        """Our holdings under our peer id (an empty bitmap at a clean stop). A client (behind NAT,
+        reachability.py) takes no incoming requests: it fetches, and announces nothing."""
+        if getattr(self.averager, "client_mode", False):
+            return
         held = {self.place[f] for f in self.data.paths} if held is None else held
         future = self.dht.store(holders_key(self.cfg.dht_prefix), subkey=self.peer_id,
                                 value=encode_held(held, len(self.shards)), expiration_time=get_dht_time() + self.ttl,

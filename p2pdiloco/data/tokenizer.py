@@ -83,7 +83,7 @@ def _tokenizers():
     try:
         import tokenizers
     except ImportError:
-        raise TokenizerError("this tokenizer needs HF tokenizers: pip install 'p2pdiloco[data]'") from None
+        raise TokenizerError("this tokenizer needs HF tokenizers: pip install tokenizers") from None
     return tokenizers
 
 
