@@ -40,6 +40,12 @@ def manifest_only(tokens: Path, dest: Path) -> Path:
     return dest
 
 
+def caches(root: Path):
+    """--shard-cache under the test's directory: the default (~/.cache, keyed by the manifest's digest,
+    the same in every run of this test) would carry shards fetched in one run into the next."""
+    return lambda name: ["--shard-cache", str(root / f"{name}-cache")]
+
+
 def peer_id(swarm, name) -> str:
     return swarm.events(name, "inner")[0]["peer"]
 
@@ -75,8 +81,9 @@ def test_a_peer_with_only_the_manifest_trains_on_shards_from_peers(tmp_path, tok
     shard_bytes = max(s.tokens * 2 for s in manifest.train)
     limit = val_bytes + 3 * shard_bytes + 1000  # room for the held-out split and three train shards
     args = ["--inner-steps", "20", "--state-timeout", "10"]
+    cache_of = caches(tmp_path)
     with LocalSwarm(tmp_path, config=TINY, extra_args=args) as swarm:
-        swarm.start("a", "--data", str(a_data))
+        swarm.start("a", "--data", str(a_data), *cache_of("a"))
         swarm.wait_for(lambda: swarm.events("a", "inner"), timeout=60, what="a training")
         swarm.start("c", "--data", str(c_data), "--shard-cache", str(cache), "--shard-cache-gb", str(limit / 2**30),
                     "--shards-per-peer", "1", join="a")
@@ -92,7 +99,7 @@ def test_a_peer_with_only_the_manifest_trains_on_shards_from_peers(tmp_path, tok
         assert not read_shards(swarm, "a", "c") & unheld
         assert swarm.events("c", "inner")[-1]["data"]["shards"] == len(manifest.train)
 
-        swarm.start("b", "--data", str(tokens), join="a")
+        swarm.start("b", "--data", str(tokens), *cache_of("b"), join="a")
         swarm.wait_for(lambda: read_shards(swarm, "a", "b", "c") & unheld, timeout=90,
                        what="an unheld shard read once its holder came")
         assert "Traceback" not in swarm.stderr("c", tail=1 << 20)
@@ -107,9 +114,10 @@ def test_a_holder_serving_corrupted_bytes_is_caught_and_the_shard_comes_from_ano
     shutil.copytree(tokens, b_data)
     rotten = manifest.val[len(manifest.val) // 2].file  # a whole unit (the last may be short: one chunk)
     args = ["--inner-steps", "20", "--state-timeout", "10"]
+    cache_of = caches(tmp_path)
     with LocalSwarm(tmp_path, config=TINY, extra_args=args) as swarm:
-        swarm.start("a", "--data", str(tokens))
-        swarm.start("b", "--data", str(b_data), join="a")
+        swarm.start("a", "--data", str(tokens), *cache_of("a"))
+        swarm.start("b", "--data", str(b_data), *cache_of("b"), join="a")
         swarm.wait_for(lambda: swarm.events("a", "inner") and swarm.events("b", "inner"), timeout=60,
                        what="a and b training")
         path = b_data / rotten
