@@ -232,7 +232,7 @@ class Peer(SwarmRounds):
             self._progress(f"p2pdiloco: fetching held-out shard {shard.file} from peers")
             while not self.shard_source.get(shard, timeout=max(1.0, deadline - time.monotonic())):
                 if self.stop_event.wait(1.0):
-                    return
+                    raise KeyboardInterrupt  # a stop before training: the CLI exits cleanly, as in bootstrap
                 if time.monotonic() >= deadline:
                     raise DataError(f"the held-out shard {shard.file} is neither in {self.cfg.data} nor at a live "
                                     f"peer (waited {self.cfg.state_timeout:.0f}s)")
