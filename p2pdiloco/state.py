@@ -33,7 +33,7 @@ import math
 import mmap
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
 import numpy as np
 import torch
@@ -150,6 +150,67 @@ def _valid_digest(digest, size: int) -> bool:
             and all(isinstance(v, float) and math.isfinite(v) for v in digest))
 
 
+def ask_averager(averager, method: str, kwargs: dict, *, timeout: float, stop_event=None) -> dict:
+    """Run `method` (a coroutine taking `future`) in the averager process and wait for its dict:
+    at most timeout + 5 s, and returning soon after stop_event is set."""
+    future = MPFuture()
+    averager._outer_pipe.send((method, [], dict(future=future, **kwargs)))
+    deadline = time.monotonic() + timeout + 5.0
+    while time.monotonic() < deadline:
+        if stop_event is not None and stop_event.is_set():
+            future.cancel()
+            return {"ok": False, "reason": "stopped"}
+        try:
+            return future.result(timeout=0.25)
+        except (TimeoutError, concurrent.futures.TimeoutError):
+            continue
+    future.cancel()
+    return {"ok": False, "reason": f"no answer within {timeout:.0f}s"}
+
+
+async def answer(future: MPFuture, work, timeout: float, what: str) -> None:
+    """In the averager process: await `work` (a coroutine giving a dict) for at most `timeout` s and
+    set its dict on `future`; a timeout or a failure is {"ok": False, "reason": ...}, never an
+    exception in the averager's loop."""
+    try:
+        result = await asyncio.wait_for(work, timeout=timeout)
+    except asyncio.TimeoutError:
+        result = {"ok": False, "reason": f"not complete within {timeout:.0f}s"}
+    except Exception as e:  # report, never kill the averager's loop
+        logger.debug(f"{what} failed", exc_info=True)
+        result = {"ok": False, "reason": f"{type(e).__name__}: {e}"[:300]}
+    if not future.done():
+        future.set_result(result)
+
+
+async def run_workers(sources: list[str], chunks: collections.deque, n_chunks: int, done: Callable[[], int],
+                      request: Callable) -> dict[str, str]:
+    """IN_FLIGHT workers per source take chunk indices from `chunks` and `await request(peer, source,
+    index)` until done() reaches n_chunks; a failed chunk goes back in the queue for the others and
+    its source is dropped. Returns the dropped sources: peer id -> why."""
+    gone: dict[str, str] = {}
+
+    async def worker(source: str) -> None:
+        peer = PeerID.from_base58(source)
+        while done() < n_chunks and source not in gone:
+            if not chunks:  # others hold the last chunks: take one back if its source fails
+                if all(s in gone for s in sources if s != source):
+                    return
+                await asyncio.sleep(0.005)  # short: the transfer ends when the last chunk lands
+                continue
+            index = chunks.popleft()
+            try:
+                await request(peer, source, index)
+            except Exception as e:
+                chunks.append(index)
+                gone.setdefault(source, f"{type(e).__name__}: {e}"[:200])
+                return
+
+    # interleaved: every source's first worker takes a chunk before any source's second
+    await asyncio.gather(*(worker(s) for _ in range(IN_FLIGHT) for s in sources))
+    return gone
+
+
 class _SourceGone(Exception):
     """A source failed, or its state is no longer the one we fetch: its chunks go to the others."""
 
@@ -200,33 +261,13 @@ class StateSharing:
     def download_state(self, *, timeout: float, min_outer_step: int = 0, stop_event=None) -> dict:
         """Fetch the swarm's newest state into `staging` (blocking, at most `timeout` seconds, and
         returning soon after stop_event is set). A dict: ok, reason, outer_step, metadata, sources..."""
-        future = MPFuture()
-        self._outer_pipe.send(("_download_state", [], dict(future=future, timeout=timeout,
-                                                           min_outer_step=min_outer_step)))
-        deadline = time.monotonic() + timeout + 5.0
-        while time.monotonic() < deadline:
-            if stop_event is not None and stop_event.is_set():
-                future.cancel()
-                return {"ok": False, "reason": "stopped"}
-            try:
-                return future.result(timeout=0.25)
-            except (TimeoutError, concurrent.futures.TimeoutError):
-                continue
-        future.cancel()
-        return {"ok": False, "reason": f"no answer within {timeout:.0f}s"}
+        return ask_averager(self, "_download_state", dict(timeout=timeout, min_outer_step=min_outer_step),
+                            timeout=timeout, stop_event=stop_event)
 
     # ------------------------------------------------------------------ fetching (averager process)
 
     async def _download_state(self, future: MPFuture, timeout: float, min_outer_step: int) -> None:
-        try:
-            result = await asyncio.wait_for(self._fetch_state(min_outer_step, future), timeout=timeout)
-        except asyncio.TimeoutError:
-            result = {"ok": False, "reason": f"not complete within {timeout:.0f}s"}
-        except Exception as e:  # report, never kill the averager's loop
-            logger.debug("state download failed", exc_info=True)
-            result = {"ok": False, "reason": f"{type(e).__name__}: {e}"[:300]}
-        if not future.done():
-            future.set_result(result)
+        await answer(future, self._fetch_state(min_outer_step, future), timeout, "state download")
 
     async def _fetch_state(self, min_outer_step: int, future: MPFuture) -> dict:
         t0 = time.monotonic()
@@ -301,29 +342,14 @@ class StateSharing:
         """Fetch `chunks` from the sources (peer id -> the state_id it had: a source whose state
         changes since is dropped); a failed chunk goes back in the queue for the others."""
         total = self.staging.numel()
-        n_chunks = math.ceil(total / chunk)
-        gone: dict[str, str] = {}
 
-        async def worker(source: str) -> None:
-            peer = PeerID.from_base58(source)
-            while len(done) < n_chunks and source not in gone:
-                if not chunks:  # others hold the last chunks: take one back if its source fails
-                    if all(s in gone for s in sources if s != source) and not chunks:
-                        return
-                    await asyncio.sleep(0.005)  # short: the transfer ends when the last chunk lands
-                    continue
-                index = chunks.popleft()
-                start, stop = index * chunk, min(total, (index + 1) * chunk)
-                try:
-                    _, nbytes = await self._request(peer, start, stop, sources[source])
-                except Exception as e:
-                    chunks.append(index)
-                    gone.setdefault(source, f"{type(e).__name__}: {e}"[:200])
-                    return
-                done.add(index)
-                received[source] += nbytes
+        async def request(peer: PeerID, source: str, index: int) -> None:
+            start, stop = index * chunk, min(total, (index + 1) * chunk)
+            _, nbytes = await self._request(peer, start, stop, sources[source])
+            done.add(index)
+            received[source] += nbytes
 
-        await asyncio.gather(*(worker(s) for s in sources for _ in range(IN_FLIGHT)))
+        gone = await run_workers(list(sources), chunks, math.ceil(total / chunk), lambda: len(done), request)
         for source, why in gone.items():
             logger.info(f"state source {source[-6:]} dropped ({why}); its chunks went to the others")
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import hashlib
 import logging
 import math
@@ -43,7 +42,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.mpfuture import MPFuture
 
-from p2pdiloco.state import IN_FLIGHT, MAX_SOURCES, MESSAGE_BYTES
+from p2pdiloco.state import MAX_SOURCES, MESSAGE_BYTES, answer, ask_averager, run_workers
 
 logger = logging.getLogger(__name__)
 
@@ -153,34 +152,13 @@ class ShardSharing:
         """Fetch shard `name` (its place `index` among the manifest's `n_shards`) from its holders
         into the cache (blocking, at most `timeout` s). A dict: ok, reason, path, seconds, bytes
         (per source), evicted (names removed from the cache), corrupt (sources caught)."""
-        future = MPFuture()
-        self._outer_pipe.send(("_fetch_shard_task", [], dict(
-            future=future, name=name, index=index, size=size, sha256=sha256, n_shards=n_shards, keep=set(keep),
-            timeout=timeout)))
-        deadline = time.monotonic() + timeout + 5.0
-        while time.monotonic() < deadline:
-            if stop_event is not None and stop_event.is_set():
-                future.cancel()
-                return {"ok": False, "reason": "stopped"}
-            try:
-                return future.result(timeout=0.25)
-            except (TimeoutError, concurrent.futures.TimeoutError):
-                continue
-        future.cancel()
-        return {"ok": False, "reason": f"no answer within {timeout:.0f}s"}
+        ask = dict(name=name, index=index, size=size, sha256=sha256, n_shards=n_shards, keep=set(keep), timeout=timeout)
+        return ask_averager(self, "_fetch_shard_task", ask, timeout=timeout, stop_event=stop_event)
 
     # ------------------------------------------------------------------ fetching (averager process)
 
     async def _fetch_shard_task(self, future: MPFuture, timeout: float, **ask) -> None:
-        try:
-            result = await asyncio.wait_for(self._fetch_shard(**ask), timeout=timeout)
-        except asyncio.TimeoutError:
-            result = {"ok": False, "reason": f"not complete within {timeout:.0f}s"}
-        except Exception as e:  # report, never kill the averager's loop
-            logger.debug("shard fetch failed", exc_info=True)
-            result = {"ok": False, "reason": f"{type(e).__name__}: {e}"[:300]}
-        if not future.done():
-            future.set_result(result)
+        await answer(future, self._fetch_shard(**ask), timeout, "shard fetch")
 
     async def _fetch_shard(self, name: str, index: int, size: int, sha256: str, n_shards: int,
                            keep: set[str]) -> dict:
@@ -244,7 +222,6 @@ class ShardSharing:
         n_chunks = max(1, math.ceil(size / chunk))
         chunks = collections.deque(range(n_chunks))
         by_chunk: dict[int, str] = {}
-        gone: dict[str, str] = {}
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         hasher, hashed, hashing = hashlib.sha256(), [0], asyncio.Lock()
         loop = asyncio.get_running_loop()
@@ -260,29 +237,15 @@ class ShardSharing:
 
         pending: list[asyncio.Task] = []
         try:
-            async def worker(source: str) -> None:
-                peer = PeerID.from_base58(source)
-                while len(by_chunk) < n_chunks and source not in gone:
-                    if not chunks:  # others hold the last chunks: take one back if its source fails
-                        if all(s in gone for s in sources if s != source):
-                            return
-                        await asyncio.sleep(0.005)  # short: the fetch ends when the last chunk lands
-                        continue
-                    i = chunks.popleft()
-                    start, stop = i * chunk, min(size, (i + 1) * chunk)
-                    try:
-                        await self._shard_request(peer, fd, name, start, stop)
-                    except Exception as e:
-                        chunks.append(i)
-                        gone.setdefault(source, f"{type(e).__name__}: {e}"[:200])
-                        return
-                    by_chunk[i] = source
-                    received[source] += stop - start
-                    if i == hashed[0]:
-                        pending.append(asyncio.create_task(advance()))
+            async def request(peer: PeerID, source: str, i: int) -> None:
+                start, stop = i * chunk, min(size, (i + 1) * chunk)
+                await self._shard_request(peer, fd, name, start, stop)
+                by_chunk[i] = source
+                received[source] += stop - start
+                if i == hashed[0]:
+                    pending.append(asyncio.create_task(advance()))
 
-            # interleaved: every source's first worker takes a chunk before any second one
-            await asyncio.gather(*(worker(s) for _ in range(IN_FLIGHT) for s in sources))
+            gone = await run_workers(sources, chunks, n_chunks, lambda: len(by_chunk), request)
             await asyncio.gather(*pending)
             if len(by_chunk) == n_chunks:
                 await advance()
