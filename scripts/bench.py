@@ -411,7 +411,7 @@ class Bench:
         bare_step = statistics.mean(b["wall_s"] / b["steps"] for b in bare)
         from p2pdiloco.config import Config
 
-        model_cfg = Config.from_sources(preset, {})
+        model_cfg = Config.from_sources(preset, {"data": self.data} if self.data else {})  # the data's vocabulary
         tokens_per_s = [p["tokens"] / p["wall_s"] for p in run["peers"].values()]
         flops = flops_per_token(model_cfg)
         peak = peak_flops(torch.cuda.get_device_name())

@@ -113,7 +113,7 @@ def run_peers(size: str, duration: float, workdir: Path, data: str = "") -> dict
     preset, flags = SIZES[size]
     if data:
         flags = [*flags, "--data", data]
-    numel = model_params(preset)
+    numel = model_params(preset, {"data": data} if data else {})
     round_bound = 180.0 if size == "real" else 30.0
     samples: list[dict] = []
     with LocalSwarm(workdir, config=preset, extra_args=flags) as swarm, \
@@ -164,7 +164,8 @@ def run_join(size: str, sources: int, repeats: int, workdir: Path, *, rate_mbit:
     preset, flags = SIZES[size]
     if data:
         flags = [*flags, "--data", data]
-    numel = model_params(preset, overrides={"n_layer": LAYERS[size]} if size in LAYERS else {})
+    numel = model_params(preset, overrides={**({"n_layer": LAYERS[size]} if size in LAYERS else {}),
+                                            **({"data": data} if data else {})})  # the data sets the vocabulary
     with contextlib.ExitStack() as stack:
         net = None
         if rate_mbit:
