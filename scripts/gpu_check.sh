@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, one prepared script for a CUDA machine: 2 peers of the small-gpu preset (~85M
+# The GPU check, one prepared script for a CUDA machine: 2 peers of the small-gpu preset (~88M
 # parameters, bf16 autocast, anchor and outer state on CPU) train on loopback for DURATION seconds
 # (default 180), then 2 bare torch loops run as many steps. Prints inner tokens/s per peer, MFU
 # and the overhead of `p2pdiloco join` over the bare loop; writes results.json/.md into OUT.
@@ -8,7 +8,8 @@
 #   PYTHON=python3 DURATION=120 bash scripts/gpu_check.sh
 #
 # PYTHON must have a CUDA torch and hivemind==1.1.12 (carry its wheel to an offline machine).
-# The corpus must be in ~/.cache/p2pdiloco or given as DATA=file.txt (no download on a GPU box).
+# The data: the preset's built-in Shakespeare BPE, prepared from ~/.cache/p2pdiloco/shakespeare.txt
+# (carry it: no download on a GPU box), or DATA=DIR (a prepared directory) or DATA=file.txt (bytes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-}"
