@@ -249,6 +249,8 @@ class ShardClaims:
                 if cursor >= self.windows[shard]:
                     continue
                 t0 = time.monotonic()
+                if self.source is not None and not self.source.here(shard) and self.source.available(shard):
+                    self._hold_during(self.cfg.state_timeout)  # a fetch may outlast our leases
                 if not self.ready(shard):  # not here and no live peer holds it: claimed again later
                     continue
                 if time.monotonic() - t0 > 1.0:  # fetched meanwhile: is it still free, and where?
@@ -286,6 +288,15 @@ class ShardClaims:
                 self.slots.remove(slot)  # take() claims another
                 continue
             self._store(slot.epoch, slot.shard, cursor=slot.cursor, lease_until=get_dht_time() + self.lease_s)
+
+    def _hold_during(self, seconds: float) -> None:
+        """Before a fetch that blocks the reading (up to `seconds`): the shards we read stay ours
+        through it (a slow uplink takes longer than a lease), at our cursors."""
+        for slot in self.slots:
+            if slot.cursor < self.windows[slot.shard]:  # a finished one is stored done: leave it
+                self._report(slot)
+                self._store(slot.epoch, slot.shard, cursor=slot.cursor,
+                            lease_until=get_dht_time() + self.lease_s + seconds)
 
     def release(self) -> None:
         """At a clean stop: our shards are free at once, at our cursors."""

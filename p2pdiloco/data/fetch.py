@@ -335,6 +335,9 @@ class ShardSource:
     def held_elsewhere(self, place: int) -> bool:
         return any(place in held for peer, held in self.holders().items() if peer not in self.caught)
 
+    def here(self, index: int) -> bool:
+        return self.data.manifest.train[index].file in self.data.paths
+
     def available(self, index: int) -> bool:
         """Train shard `index` is here or held by a live peer (nothing is fetched)."""
         shard = self.data.manifest.train[index]
