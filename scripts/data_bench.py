@@ -5,6 +5,7 @@
     python scripts/data_bench.py memory --big-gb 2        # PSS of a loader and of a peer: 2 GB vs 20 MB of tokens
     python scripts/data_bench.py coverage --peers 4 --duration 150 --data DIR   # disjoint data, fault-free
     python scripts/data_bench.py coverage ... --chaos --fault-every 20            # the same under churn
+    python scripts/data_bench.py coverage ... --manifest-only 2    # 2 of the peers hold only the manifest
 
 `prepare` writes a corpus of ~1 MB text files (the Shakespeare corpus repeated, or --text), trains
 a byte-level BPE on its first 8 MB, then times (a) the tokenizer's own `encode_batch` of the same
@@ -33,6 +34,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -317,6 +319,32 @@ def analyze_coverage(workdir: Path, data: Path, block_size: int) -> dict:
             "never_pct_max_over": max((r["never_pct"] for r in over), default=None)}
 
 
+def _manifest_copy(data: Path, dest: Path) -> Path:
+    """A volunteer's copy of a prepared directory: the manifest and the tokenizer file, no shard."""
+    dest.mkdir(parents=True, exist_ok=True)
+    name = json.loads((data / "manifest.json").read_text())["tokenizer"].get("file")
+    for f in ("manifest.json", name):
+        if f:
+            shutil.copy(data / f, dest / f)
+    return dest
+
+
+def _waits(workdir: Path) -> dict:
+    """Per peer: data wait as % of compute (its last final or inner record), and its shard fetches."""
+    from p2pdiloco.metrics import read_metrics
+
+    out = {}
+    for path in sorted(workdir.glob("*/metrics.jsonl")):
+        records = list(read_metrics(path))
+        last = next((r for r in reversed(records) if r.get("event") in ("final", "inner")), {})
+        fetches = [r for r in records if r.get("event") == "fetch" and r.get("ok")]
+        out[path.parent.name] = {
+            "data_wait_pct": round(100 * last.get("data_s", 0) / max(last.get("compute_s") or 1e-9, 1e-9), 3),
+            "fetches": len(fetches), "fetch_s": round(sum(r["seconds"] for r in fetches), 2),
+            "fetch_mb": round(sum(sum(r["bytes"].values()) for r in fetches) / 1e6, 2)}
+    return out
+
+
 def bench_coverage(args) -> dict:
     from p2pdiloco.localswarm import LocalSwarm
 
@@ -335,13 +363,19 @@ def bench_coverage(args) -> dict:
         with LocalSwarm(workdir, config=args.config, extra_args=peer_args) as swarm:
             swarm.start("p0")
             for i in range(1, args.peers):
-                swarm.start(f"p{i}", join="p0")
+                own = []  # the last --manifest-only peers: the manifest, every shard fetched from the others
+                if i >= args.peers - args.manifest_only:
+                    copy = _manifest_copy(Path(args.data), workdir / f"p{i}-data")
+                    own = ["--data", str(copy), "--shard-cache", str(workdir / f"p{i}-cache")]
+                swarm.start(f"p{i}", *own, join="p0")
             swarm.wait_for(lambda: all(swarm.events(f"p{i}", "inner") for i in range(args.peers)), timeout=120,
                            what="every peer training")
             time.sleep(args.duration)
             swarm.stop_all(timeout=30)
     result = analyze_coverage(workdir, Path(args.data), args.block_size)
+    result["per_peer"] = _waits(workdir)
     return {"bench": "coverage", "peers": args.peers, "duration": args.duration, "chaos": args.chaos,
+            "manifest_only": args.manifest_only,
             "fault_every": args.fault_every if args.chaos else None, "wall_s": round(time.monotonic() - t0, 1),
             **result}
 
@@ -368,6 +402,8 @@ def main(argv=None) -> int:
     co.add_argument("--peers", type=int, default=4)
     co.add_argument("--duration", type=float, default=150)
     co.add_argument("--chaos", action="store_true", help="Kills and kill+restarts by scripts/chaos.py.")
+    co.add_argument("--manifest-only", type=int, default=0,
+                    help="The last K peers hold only the manifest: they fetch every shard from the others.")
     co.add_argument("--fault-every", type=float, default=20)
     co.add_argument("--seed", type=int, default=1)
     co.add_argument("--config", default=str(ROOT / "peers/tiny-cpu.toml"))
@@ -385,6 +421,9 @@ def main(argv=None) -> int:
         q.add_argument("--tmp", default=None, help="Directory for the temporary corpus and shards.")
         q.add_argument("--out", default="", help="Also write the result JSON here.")
     args = parser.parse_args(argv)
+    if args.bench == "coverage" and not (0 <= args.manifest_only < args.peers
+                                         and not (args.manifest_only and args.chaos)):
+        parser.error("--manifest-only must be below --peers (p0 holds the data), and not with --chaos")
     result = {"prepare": bench_prepare, "loader": bench_loader, "memory": bench_memory, "coverage": bench_coverage,
               "_read": _read_child}[
         args.bench](args)
