@@ -34,7 +34,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,7 +45,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from p2pdiloco.data.manifest import FORMAT, MANIFEST, VERSION  # noqa: E402
+from p2pdiloco.data.manifest import FORMAT, MANIFEST, VERSION, copy_manifest  # noqa: E402
 
 # --- prepare ------------------------------------------------------------------------------------
 
@@ -319,16 +318,6 @@ def analyze_coverage(workdir: Path, data: Path, block_size: int) -> dict:
             "never_pct_max_over": max((r["never_pct"] for r in over), default=None)}
 
 
-def _manifest_copy(data: Path, dest: Path) -> Path:
-    """A volunteer's copy of a prepared directory: the manifest and the tokenizer file, no shard."""
-    dest.mkdir(parents=True, exist_ok=True)
-    name = json.loads((data / "manifest.json").read_text())["tokenizer"].get("file")
-    for f in ("manifest.json", name):
-        if f:
-            shutil.copy(data / f, dest / f)
-    return dest
-
-
 def _waits(workdir: Path) -> dict:
     """Per peer: data wait as % of compute (its last final or inner record), and its shard fetches."""
     from p2pdiloco.metrics import read_metrics
@@ -365,7 +354,7 @@ def bench_coverage(args) -> dict:
             for i in range(1, args.peers):
                 own = []  # the last --manifest-only peers: the manifest, every shard fetched from the others
                 if i >= args.peers - args.manifest_only:
-                    copy = _manifest_copy(Path(args.data), workdir / f"p{i}-data")
+                    copy = copy_manifest(args.data, workdir / f"p{i}-data")
                     own = ["--data", str(copy), "--shard-cache", str(workdir / f"p{i}-cache")]
                 swarm.start(f"p{i}", *own, join="p0")
             swarm.wait_for(lambda: all(swarm.events(f"p{i}", "inner") for i in range(args.peers)), timeout=120,

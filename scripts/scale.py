@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from procmem import Every, peer_roles, sample  # noqa: E402
 
 from p2pdiloco.config import Config  # noqa: E402
+from p2pdiloco.data.manifest import copy_manifest  # noqa: E402
 from p2pdiloco.localswarm import LocalSwarm  # noqa: E402
 from p2pdiloco.model import build_model, num_params  # noqa: E402
 
@@ -199,7 +200,7 @@ def run_join(size: str, sources: int, repeats: int, workdir: Path, *, rate_mbit:
 
         for r in range(repeats):
             name = f"j{r}"
-            own = volunteer_copy(Path(data), workdir / f"{name}-data") if manifest_only else None
+            own = copy_manifest(data, workdir / f"{name}-data") if manifest_only else None
             start(sources, name, "--max-inner-steps", "1", *(["--data", str(own), "--shard-cache",
                                                               str(workdir / f"{name}-cache")] if own else []),
                   join=live)
@@ -240,16 +241,6 @@ def run_join(size: str, sources: int, repeats: int, workdir: Path, *, rate_mbit:
         j["fetch_vs_state"] = j["fetch_mb_per_s"] / j["mb_per_s"] if j["fetch_mb_per_s"] and j["mb_per_s"] else None
     return {"size": size, "params": numel, "state_mb": state_mb, "sources": sources, "rate_mbit": rate_mbit,
             "link_s": link_s, "joins": joins, "stopped": stopped, "exit_codes": exit_codes}
-
-
-def volunteer_copy(data: Path, dest: Path) -> Path:
-    """A prepared directory with its manifest (and tokenizer file) only: the shards come from peers."""
-    dest.mkdir(parents=True, exist_ok=True)
-    manifest = json.loads((data / "manifest.json").read_text())
-    for name in ("manifest.json", manifest["tokenizer"].get("file")):
-        if name:
-            (dest / name).write_bytes((data / name).read_bytes())
-    return dest
 
 
 def _io_bytes(pid: int) -> int:

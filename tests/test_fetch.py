@@ -5,13 +5,12 @@ is caught by the checksum, reported once, and the shard comes from the other hol
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 
-from p2pdiloco.data.manifest import file_sha256, read_manifest
+from p2pdiloco.data.manifest import copy_manifest, file_sha256, read_manifest
 from p2pdiloco.data.prepare import prepare
 from p2pdiloco.localswarm import LocalSwarm
 from tests.conftest import TINY, make_corpus
@@ -28,16 +27,6 @@ def tokens(tmp_path_factory):
     prepare([str(corpus)], root / "tokens", tokenizer="bytes", shard_mb=0.1, eval_fraction=0.3, workers=1,
             progress=lambda _: None)
     return root / "tokens"
-
-
-def manifest_only(tokens: Path, dest: Path) -> Path:
-    """A volunteer's copy: the manifest (and the tokenizer, if any), no shard."""
-    dest.mkdir(parents=True)
-    shutil.copy(tokens / "manifest.json", dest)
-    name = json.loads((tokens / "manifest.json").read_text())["tokenizer"].get("file")
-    if name:
-        shutil.copy(tokens / name, dest)
-    return dest
 
 
 def caches(root: Path):
@@ -76,7 +65,7 @@ def test_a_peer_with_only_the_manifest_trains_on_shards_from_peers(tmp_path, tok
     unheld = {1, 2}
     for i in unheld:
         (a_data / manifest.train[i].file).unlink()
-    c_data, cache = manifest_only(tokens, tmp_path / "c-data"), tmp_path / "c-cache"
+    c_data, cache = copy_manifest(tokens, tmp_path / "c-data"), tmp_path / "c-cache"
     val_bytes = sum(s.tokens * 2 for s in manifest.val)
     shard_bytes = max(s.tokens * 2 for s in manifest.train)
     limit = val_bytes + 3 * shard_bytes + 1000  # room for the held-out split and three train shards
@@ -122,7 +111,7 @@ def test_a_holder_serving_corrupted_bytes_is_caught_and_the_shard_comes_from_ano
                        what="a and b training")
         path = b_data / rotten
         path.write_bytes(bytes(x ^ 0x5A for x in path.read_bytes()))  # same size, every byte wrong
-        c_data, cache = manifest_only(tokens, tmp_path / "c-data"), tmp_path / "c-cache"
+        c_data, cache = copy_manifest(tokens, tmp_path / "c-data"), tmp_path / "c-cache"
         swarm.start("c", "--data", str(c_data), "--shard-cache", str(cache), join="a")
         swarm.wait_for(lambda: swarm.events("c", "inner"), timeout=90, what="c training")
         a, b = peer_id(swarm, "a"), peer_id(swarm, "b")

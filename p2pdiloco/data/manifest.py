@@ -154,3 +154,15 @@ def check_shard(manifest: Manifest, shard: Shard, path: Optional[Path] = None) -
     except OSError as e:
         return f"{shard.file}: {e.strerror or e}"
     return None
+
+
+def copy_manifest(root: str | Path, dest: str | Path) -> Path:
+    """What a volunteer needs of a prepared directory: its manifest and tokenizer file, no shard
+    (data/fetch.py fetches the shards from peers). Returns dest."""
+    root, dest = Path(root), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    tokenizer = json.loads((root / MANIFEST).read_text())["tokenizer"].get("file")
+    for name in filter(None, (MANIFEST, tokenizer)):
+        (dest / name).write_bytes((root / name).read_bytes())
+    return dest
+
