@@ -304,16 +304,21 @@ class ShardSource:
         self._holders_at = -math.inf
         self.caught: set[str] = set()  # holders that served wrong bytes, reported once each
         self.ttl = max(30.0, 4 * cfg.log_interval)
+        self._announced: tuple = (None, -math.inf)  # (what, when) we last stored
 
     def announce(self, held: Optional[set[int]] = None) -> None:
-        """Our holdings under our peer id (an empty bitmap at a clean stop). A client (behind NAT,
+        """Our holdings under our peer id (an empty bitmap at a clean stop), stored when they changed
+        or half the record's life has passed (called every log interval). A client (behind NAT,
         reachability.py) takes no incoming requests: it fetches, and announces nothing."""
         if getattr(self.averager, "client_mode", False):
             return
         held = {self.place[f] for f in self.data.paths} if held is None else held
-        future = self.dht.store(holders_key(self.cfg.dht_prefix), subkey=self.peer_id,
-                                value=encode_held(held, len(self.shards)), expiration_time=get_dht_time() + self.ttl,
-                                return_future=True)
+        value = encode_held(held, len(self.shards))
+        if value == self._announced[0] and time.monotonic() - self._announced[1] < self.ttl / 2:
+            return
+        self._announced = (value, time.monotonic())
+        future = self.dht.store(holders_key(self.cfg.dht_prefix), subkey=self.peer_id, value=value,
+                                expiration_time=get_dht_time() + self.ttl, return_future=True)
         try:
             future.result(timeout=self.cfg.request_timeout)
         except Exception as e:  # the next renewal stores it again
