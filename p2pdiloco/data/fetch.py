@@ -2,8 +2,8 @@
 
 Every peer training on prepared tokens announces the shards it holds whole (their sha256 checked):
 one DHT record per peer under `{prefix}_shards`, a bitmap over the manifest's train shards then
-its held-out shards, renewed every log interval and after every fetch, expiring HOLDERS_TTL
-after. A shard this peer claims and does not hold is fetched from the peers that announce it with
+its held-out shards, stored again when it changes (after a fetch) or half its life has passed,
+expiring max(30 s, 4 log intervals) after. A shard this peer claims and does not hold is fetched from the peers that announce it with
 the state download's scheme (state.py): chunks of up to CHUNK_BYTES, IN_FLIGHT requests per source
 at once, up to MAX_SOURCES sources, a failed chunk handed to the others. The chunks are written
 into a temp file in the cache (`shard_cache`), the whole file is checked against the manifest's
