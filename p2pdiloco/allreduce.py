@@ -16,16 +16,22 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
 import torch
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, BannedException
-from hivemind.averaging.partition import TensorPartContainer
+from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
 
+from p2pdiloco import robust
 from p2pdiloco.compression import BlockwiseQuantization
+
+# Test-only: "lie:K" makes this peer's reducer answer -K times the true average of its parts (a
+# malicious reducer), so that tests and bench.py byzantine can check that the others catch it.
+TEST_ATTACK = os.environ.get("P2PDILOCO_TEST_ATTACK", "")
 
 
 @dataclass
@@ -37,8 +43,10 @@ class RoundReport:
     reason: str = ""
     bytes_sent: int = 0
     bytes_recv: int = 0
-    rejected: dict = field(default_factory=dict)  # sender peer id -> why its parts were excluded or clipped
+    rejected: dict = field(default_factory=dict)  # sender peer id -> why its parts were excluded
     merged: bool = False  # a merge round: anchors and outer momenta were averaged too
+    clipped: dict = field(default_factory=dict)  # sender peer id -> mean factor our reducer scaled it by (< 1)
+    layout: list = field(default_factory=list)   # (values, reducer index) of every part, in the buffer's order
 
 
 @dataclass
@@ -49,7 +57,8 @@ class ContributionPolicy:
     Excluded (weight 0): a part that is not finite or not of the expected shape and dtype; a
     sender that announced a non-finite norm or one over `max_norm_ratio` times the group's lower
     median; a part larger than its sender's announced norm allows. Weights are capped at
-    `max_norm_ratio` times the median weight. Every member derives the same policy, so every
+    `max_norm_ratio` times the median weight (`weight_ratio` with a robust rule: a sender that claims a
+    large weight would otherwise pull a robust average with it). Every member derives the same policy, so every
     reducer treats a sender the same way and the round stays consistent.
 
     A merge round (`merge`: each sender's weight in the anchor average, diloco.merge_weights)
@@ -64,10 +73,12 @@ class ContributionPolicy:
     segment_caps: Optional[list] = None   # merge rounds: per sender, caps of its 3 segments' norms
     merge_scales: Optional[list] = None   # merge rounds: per sender, the factor on its anchor and momentum
     merge_problem: str = ""               # merge rounds: why no anchor average is possible (the round fails)
+    merge_votes: Optional[list] = None    # merge rounds: per sender, its weight in the anchor average
+    weights: Optional[list] = None        # per sender: the weight it counts with (announced, capped; 0 if excluded)
 
     @classmethod
     def from_gathered(cls, gathered: list, *, max_norm_ratio: float, norm_slack: float = 1.01,
-                      merge: Optional[list] = None) -> "ContributionPolicy":
+                      merge: Optional[list] = None, weight_ratio: Optional[float] = None) -> "ContributionPolicy":
         norms = [g.get("norm") if isinstance(g, dict) else None for g in gathered]
         weights = [g.get("weight") if isinstance(g, dict) else None for g in gathered]
         median = _lower_median([n for n in norms if isinstance(n, (int, float)) and math.isfinite(n) and n >= 0])
@@ -83,9 +94,11 @@ class ContributionPolicy:
         excluded = [i in notes for i in range(len(norms))]
         # norm_slack: how much a lossy codec may grow a norm (the announced norm is before encoding)
         caps = [0.0 if out else n * max(1.01, norm_slack) + 1e-6 for out, n in zip(excluded, norms)]
-        policy = cls(excluded, caps, [max_norm_ratio * (median_w or 1.0)] * len(norms), notes)
+        ratio = max_norm_ratio if weight_ratio is None else weight_ratio
+        policy = cls(excluded, caps, [ratio * (median_w or 1.0)] * len(norms), notes)
         if merge is not None:
             policy._plan_merge(gathered, merge, weights, max_norm_ratio)
+        policy.weights = [policy.weight(i, w) for i, w in enumerate(weights)]
         return policy
 
     def _plan_merge(self, gathered: list, merge: list, weights: list, max_norm_ratio: float) -> None:
@@ -106,6 +119,7 @@ class ContributionPolicy:
         used = [0.0 if out or not isinstance(w, (int, float)) or not math.isfinite(w) else min(float(w), cap)
                 for out, w, cap in zip(self.excluded, weights, self.weight_caps)]
         votes = [0.0 if out else float(m) for out, m in zip(self.excluded, merge)]
+        self.merge_votes = votes
         total_w, total_v = sum(used), sum(votes)
         if total_v <= 0 or total_w <= 0:
             self.merge_problem = "no usable member at the group's newest outer step to merge anchors from"
@@ -120,10 +134,101 @@ class ContributionPolicy:
     def valid(self) -> int:
         return self.excluded.count(False)
 
+    def weight(self, index: int, announced) -> float:
+        """The weight sender `index` counts with: its announced weight, capped; 0 if excluded."""
+        if self.excluded[index] or not isinstance(announced, (int, float)) or not math.isfinite(announced):
+            return 0.0
+        return max(0.0, min(float(announced), self.weight_caps[index]))
+
 
 def _lower_median(values: list) -> float:
     """The lower median: with two members, the smaller one (the safer guess of what is normal)."""
     return sorted(values)[(len(values) - 1) // 2] if values else 0.0
+
+
+class RobustPartReducer(TensorPartReducer):
+    """hivemind's reducer with CenteredClip (robust.py) in place of the running weighted mean.
+
+    hivemind reduces a reducer's parts in order (every sender's part k before anyone's part k+1), so
+    this holds one part per sender at a time (<= part_size_bytes each, 512 KB), not whole shares:
+    group size x 512 KB per round. A merge round's anchor and momentum segments arrive scaled by
+    ContributionPolicy.merge_scales (so that a mean yields the merge weights); they are unscaled
+    here and aggregated with the merge votes as weights."""
+
+    def setup(self, policy: ContributionPolicy, segments: int = 0, offsets: Optional[list] = None) -> None:
+        self.policy, self.segments, self.offsets = policy, segments, offsets or []
+        self.inputs: dict[int, tuple] = {}
+        # per sender and segment (pseudo-gradient, anchor, momentum): (factor, values) of each part
+        self.factors: list[list] = [[[], [], []] for _ in range(self.num_senders)]
+
+    def reset_accumulators(self):
+        super().reset_accumulators()
+        self.inputs = {}
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                              weight: float = 1.0) -> torch.Tensor:
+        """hivemind's, keeping the part instead of adding it to a running sum."""
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:
+            await asyncio.wait({self.current_part_future, asyncio.create_task(self.finished.wait())},
+                               return_when=asyncio.FIRST_COMPLETED)
+            if self.finished.is_set():
+                raise AllreduceException(f"attempted to aggregate part in a finalized {self.__class__.__name__}")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        future = self.current_part_future
+        if part_index < self.sender_failed_after[sender_index]:
+            self.inputs[sender_index] = (tensor_part, float(weight))
+            self.current_part_accumulated_from += 1
+            self.check_current_part_finished()
+        return await future
+
+    def check_current_part_finished(self):
+        if self.current_part_accumulated_from == self.num_current_senders:
+            self.current_part_future.set_result(self._aggregate())
+            self.reset_accumulators()
+
+    def _aggregate(self) -> torch.Tensor:
+        shape = self.part_shapes[self.current_part_index]
+        senders = sorted(self.inputs)
+        if not senders:
+            return torch.zeros(shape)
+        parts = torch.stack([self.inputs[i][0].reshape(-1).float() for i in senders])
+        weights = torch.tensor([self.inputs[i][1] for i in senders])
+        if not self.segments:
+            return self._clip(senders, parts, weights, 0).reshape(shape)
+        start, n = self.offsets[self.current_part_index], self.segments
+        pieces = []
+        for segment in range(3):
+            lo, hi = max(start, segment * n) - start, min(start + parts.shape[1], (segment + 1) * n) - start
+            if lo >= hi:
+                continue
+            if segment == 0:
+                pieces.append(self._clip(senders, parts[:, lo:hi], weights, 0))
+                continue
+            scales = torch.tensor([self.policy.merge_scales[i] for i in senders])
+            votes = torch.tensor([self.policy.merge_votes[i] for i in senders])
+            votes = torch.where((scales > 0) & (weights > 0), votes, torch.zeros_like(votes))
+            unscaled = parts[:, lo:hi] / torch.where(scales > 0, scales, torch.ones_like(scales))[:, None]
+            pieces.append(self._clip(senders, unscaled, votes, segment))
+        return torch.cat(pieces).reshape(shape)
+
+    def _clip(self, senders: list, parts: torch.Tensor, weights: torch.Tensor, segment: int) -> torch.Tensor:
+        clipped = robust.centered_clip(parts, weights)
+        for i, factor, w in zip(senders, clipped.scales, weights.tolist()):
+            if w > 0:
+                self.factors[i][segment].append((factor, parts.shape[1]))
+        return clipped.average
+
+    def mean_factors(self) -> dict:
+        """sender index -> its clip factor averaged over the values it sent, in the segment where it was
+        clipped most (a merge round's anchor alone can be off); only senders clipped at all."""
+        out = {}
+        for i, segments in enumerate(self.factors):
+            means = [sum(f * n for f, n in factors) / sum(n for _, n in factors) for factors in segments if factors]
+            if means and min(means) < 1.0 - 1e-6:
+                out[i] = min(means)
+        return out
 
 
 class _CountingStub:
@@ -190,7 +295,7 @@ class CountingAllReduceRunner(AllReduceRunner):
 
     def __init__(self, *args, policy: Optional[ContributionPolicy] = None,
                  codec: Optional[BlockwiseQuantization] = None, segments: int = 0, alpha: float = 1.0,
-                 **kwargs):
+                 aggregation: str = "mean", **kwargs):
         self.bytes_sent = self.bytes_recv = 0
         self._serving = 0  # our reducer's result streams to groupmates still open
         self._served = asyncio.Event()
@@ -209,6 +314,10 @@ class CountingAllReduceRunner(AllReduceRunner):
         # a merge round: the vector is 3 segments of `segments` values; each part's flat offset tells
         # which segment(s) it holds, so that each is checked against its own announced norm
         self.segments = segments
+        # (values, reducer index) of every part in the buffer's order: hivemind hands out parts in order
+        # (peer 0's span first), which is how the members' reducer check (averaging.py) finds each part
+        self._layout = [(len(part), reducer) for reducer, parts in
+                        enumerate(self.tensor_part_container._input_parts_by_peer) for part, _ in parts]
         self._part_offsets: list[int] = []
         if segments:
             me = self.ordered_peer_ids.index(self.peer_id)
@@ -217,6 +326,11 @@ class CountingAllReduceRunner(AllReduceRunner):
             for length in lengths[me]:
                 self._part_offsets.append(offset)
                 offset += length
+        self.robust = aggregation == "centered_clip" and policy is not None
+        if self.robust:  # same fields, parts kept instead of summed (set up before any part arrives)
+            self.tensor_part_reducer.__class__ = RobustPartReducer
+            self.tensor_part_reducer.setup(policy, segments, self._part_offsets)
+        self._lie = -float(TEST_ATTACK.removeprefix("lie:")) if TEST_ATTACK.startswith("lie:") else None
         if policy is not None:
             for index, note in policy.notes.items():
                 self.rejected[str(self.sender_peer_ids[index])] = note
@@ -241,8 +355,9 @@ class CountingAllReduceRunner(AllReduceRunner):
         if problem is not None:
             self.rejected.setdefault(str(self.sender_peer_ids[sender_index]), problem)
             return await self._accumulate(sender_index, part_index, torch.zeros(expected), weight=0.0)
-        weight = min(float(weight), policy.weight_caps[sender_index])
-        return await self._accumulate(sender_index, part_index, tensor_part, weight=weight)
+        # the weight it announced when the group formed (capped), whatever its stream claims
+        averaged = await self._accumulate(sender_index, part_index, tensor_part, weight=policy.weights[sender_index])
+        return averaged * self._lie if self._lie is not None else averaged
 
     def _segment_problem(self, sender_index: int, part_index: int, tensor_part: torch.Tensor) -> Optional[str]:
         start, n = self._part_offsets[part_index], self.segments
@@ -367,8 +482,11 @@ class CountingAllReduceRunner(AllReduceRunner):
             problems.append(f"{failed} of {self.tensor_part_container.total_size} values never came back")
         if self.banned_senders:
             problems.append(f"reducer dropped {len(self.banned_senders)} sender(s)")
+        clipped = {}
+        if self.robust:
+            clipped = {str(self.sender_peer_ids[i]): f for i, f in self.tensor_part_reducer.mean_factors().items()}
         return RoundReport(group_id=self.group_id.hex(), complete=not problems, reason="; ".join(problems),
                            bytes_sent=self.bytes_sent, bytes_recv=self.bytes_recv, rejected=dict(self.rejected),
-                           merged=bool(self.segments))
+                           merged=bool(self.segments), clipped=clipped, layout=self._layout)
 
 

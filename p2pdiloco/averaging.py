@@ -8,7 +8,11 @@ Only the member that lost a part knows. So each member:
 2. inspects its own runner inside the averager process (`RoundReport`): parts it never got back
    (`failed_size`), senders its reducer had to drop, bytes it sent and received;
 3. publishes a verdict for this group in the DHT and waits for every member's verdict;
-4. applies the average only if every member of the group said "complete" and the result is finite.
+4. with `check_reducers`, checks with the others that every reducer returned the aggregate of what
+   it was sent (robust.py: each member's projected term of the fixed-point condition, published
+   in a second DHT record; the terms of a part must sum to about zero);
+5. applies the average only if every member of the group said "complete", no reducer failed the
+   check and the result is finite.
 
 A member that died never publishes its verdict, so everyone discards the round.
 
@@ -46,8 +50,9 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2pdiloco import diloco
+from p2pdiloco import diloco, robust
 from p2pdiloco.allreduce import ContributionPolicy, CountingAllReduceRunner, RoundReport
+from p2pdiloco.check import RoundCheck
 from p2pdiloco.compression import BlockwiseQuantization, bytes_per_value, make_codec
 from p2pdiloco.data.fetch import ShardCache, ShardSharing
 from p2pdiloco.secret import peer_token
@@ -95,6 +100,7 @@ class RoundOutcome:
     round_s: float = 0.0
     anchor: Optional[torch.Tensor] = None    # a merge round: the members' merged anchor ...
     momentum: Optional[torch.Tensor] = None  # ... and outer momentum, before this round's outer step
+    check: Optional[dict] = None             # the reducer check: ok, bad (reducer peer ids), members, stat, check_s
 
 
 class DilocoAverager(StateSharing, ShardSharing, hivemind.DecentralizedAverager):
@@ -127,6 +133,8 @@ class DilocoAverager(StateSharing, ShardSharing, hivemind.DecentralizedAverager)
         self._anchor_tolerance = cfg.anchor_tolerance
         self._reports: dict[bytes, RoundReport] = {}
         self._max_norm_ratio = cfg.max_norm_ratio
+        self._aggregation = aggregation_of(cfg)
+        self._banned: set[str] = set()  # peer ids kept out of our groups (suspects.py), set by the trainer
         self._secret = cfg.run_secret
         compression = make_codec(cfg.compression)
         self._codec = compression if isinstance(compression, BlockwiseQuantization) else None
@@ -153,6 +161,22 @@ class DilocoAverager(StateSharing, ShardSharing, hivemind.DecentralizedAverager)
     async def _set_target_group_size(self, size: int) -> None:
         self._matchmaking.target_group_size = size
         self._matchmaking.potential_leaders.target_group_size = size
+
+    def set_banned(self, peers: list) -> None:
+        """From now on, refuse these peers' join requests and do not ask to join their groups."""
+        self._outer_pipe.send(("_set_banned", [list(peers)], {}))
+
+    async def _set_banned(self, peers: list) -> None:
+        self._banned = set(peers)
+        matchmaking = self._matchmaking
+        if getattr(matchmaking, "_skips_banned", False):
+            return
+        request = matchmaking._request_join_group
+
+        async def request_unless_banned(leader):  # hivemind asks the next potential leader on None
+            return None if str(leader) in self._banned else await request(leader)
+
+        matchmaking._request_join_group, matchmaking._skips_banned = request_unless_banned, True
 
     async def _shutdown(self, timeout: Optional[float]) -> None:
         """hivemind's, mended: it called finalize() on the futures of its running groups (and
@@ -185,6 +209,9 @@ class DilocoAverager(StateSharing, ShardSharing, hivemind.DecentralizedAverager)
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         if self._secret and not self._knows_secret(request.gather, str(context.remote_id)):
             logger.warning(f"refused a join request from {context.remote_id}: no valid run-secret token")
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        if str(context.remote_id) in self._banned:  # banned by this peer (suspects.py): no log line per request
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for response in super().rpc_join_group(request, context):
@@ -245,7 +272,7 @@ class DilocoAverager(StateSharing, ShardSharing, hivemind.DecentralizedAverager)
         codec, segments = self._codec, 0
         slack = codec.norm_slack if codec is not None else 1.01
         policy = ContributionPolicy.from_gathered(senders, max_norm_ratio=self._max_norm_ratio, norm_slack=slack,
-                                                  merge=merge)
+                                                  merge=merge, weight_ratio=weight_ratio(self._aggregation))
         if self.merge_size:
             (buffer,) = tensors
             n = self.merge_size
@@ -272,7 +299,7 @@ class DilocoAverager(StateSharing, ShardSharing, hivemind.DecentralizedAverager)
         runner = CountingAllReduceRunner(
             p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
             ordered_peer_ids=group_info.peer_ids, policy=policy, codec=codec, segments=segments,
-            alpha=self._averaging_alpha, **kwargs,
+            alpha=self._averaging_alpha, aggregation=self._aggregation, **kwargs,
         )
         self._running_groups[group_id].set_result(runner)
         try:
@@ -337,6 +364,9 @@ class RoundRunner:
                 buffer.zero_()
             buffer[:n].copy_(pseudo_grad)
         payload.clear()
+        # what we sent, for the reducer check (the caller keeps the pseudo-gradient for the eager
+        # correction anyway; the anchor and momentum are the live state, unchanged while a round runs)
+        sent = [pseudo_grad, *(merging or ())] if checks_reducers(self.cfg) else None
         del pseudo_grad
         if self.cfg.run_secret:
             gather["token"] = peer_token(self.cfg.run_secret, self.peer_id)
@@ -364,8 +394,9 @@ class RoundRunner:
         outcome = RoundOutcome(ok=False, members=members, report=report)
         # every member derives the same policy from the same announcements
         merge = diloco.merge_weights(list(members.values()), self.cfg.anchor_tolerance) if report.merged else None
+        aggregation = aggregation_of(self.cfg)
         policy = ContributionPolicy.from_gathered(list(members.values()), max_norm_ratio=self.cfg.max_norm_ratio,
-                                                  merge=merge)
+                                                  merge=merge, weight_ratio=weight_ratio(aggregation))
         mine = list(members).index(self.peer_id) if self.peer_id in members else -1
         if policy.valid < self.cfg.min_group_size:
             outcome.reason = f"only {policy.valid} usable contribution(s) in a group of {len(members)}"
@@ -380,7 +411,21 @@ class RoundRunner:
             # copy of the average is off, but the round is fine for the others
             own_bad = mine < 0 or policy.excluded[mine] or self.peer_id in report.rejected
             verdict = ABSTAIN if (report.complete and own_bad) else (report.complete and finite)
-            all_ok, why = self._agree(report.group_id, list(members), verdict)
+            check = None
+            if sent is not None and verdict is not False and (not report.merged or len(sent) == 3):
+                with self.averager.get_tensors() as (buffer,):
+                    check = RoundCheck(report, policy, aggregation, sent=sent, buffer=buffer,
+                                       merge_size=n if merging is not None else 0,
+                                       fp16=self.cfg.compression == "fp16", me=self.peer_id, members=list(members))
+            evidence = check.evidence(verdict is True) if check is not None else {}
+            all_ok, why, records = self._agree(report.group_id, list(members), verdict, evidence, check is not None)
+            if all_ok and check is not None:
+                outcome.check = self._check(check, records)
+                if not outcome.check["ok"]:
+                    why = outcome.check.get("missing") or (
+                        f"reducer(s) {', '.join(p[-6:] for p in outcome.check['bad'])} failed the check "
+                        f"(statistic {outcome.check['stat']:.3g})")
+                    all_ok = False
             if not report.complete:
                 outcome.reason = f"incomplete round: {report.reason}"
             elif own_bad:
@@ -395,33 +440,81 @@ class RoundRunner:
         outcome.round_s = time.monotonic() - t0
         return outcome
 
-    def _agree(self, group_id: str, members: list[str], verdict) -> tuple[bool, str]:
-        """Publish my verdict for this group (True, False or ABSTAIN) and wait for all members'
-        verdicts: the round applies only if none says False and none is missing."""
+    def _agree(self, group_id: str, members: list[str], verdict, evidence: dict,
+               checking: bool) -> tuple[bool, str, dict]:
+        """Publish my verdict for this group (True, False or ABSTAIN; with `checking`, in a record with
+        my evidence for the reducer check) and wait for all members' verdicts: the round applies only
+        if none says False and none is missing. Returns (ok, why, every member's record)."""
         key = f"{self.cfg.dht_prefix}_verdict_{group_id}"
-        expiration = get_dht_time() + 4 * self.cfg.verdict_timeout
-        self.dht.store(key, subkey=self.peer_id, value=verdict, expiration_time=expiration)
+        value = {"verdict": verdict, **evidence} if checking else verdict
         if verdict is not True:
-            return False, "this member's part was incomplete"
+            self._store(key, value)
+            return False, "this member's part was incomplete", {}
+        found = self._gather(key, value, members, done=lambda v: _verdict(v) is True or _verdict(v) == ABSTAIN,
+                             failed=lambda v: _verdict(v) is False)
+        if isinstance(found, str):
+            return False, found, {}
+        return True, "", found
+
+    def _check(self, check: RoundCheck, records: dict) -> dict:
+        """The second record of the reducer check: our terms out, every applying member's in."""
+        t0 = time.monotonic()
+        found = self._gather(f"{self.cfg.dht_prefix}_check_{check.report.group_id}", check.terms(records),
+                             check.checkers(), done=check.well_formed, failed=lambda v: False)
+        if isinstance(found, str):
+            result = {"ok": False, "bad": [], "members": check.members, "stat": 0.0,
+                      "missing": found.replace("verdict", "check terms")}
+        else:
+            result = check.verdict(found)
+        return {**result, "check_s": time.monotonic() - t0}
+
+    def _store(self, key: str, value) -> None:
+        self.dht.store(key, subkey=self.peer_id, value=value,
+                       expiration_time=get_dht_time() + 4 * self.cfg.verdict_timeout)
+
+    def _gather(self, key: str, value, members: list, *, done: Callable, failed: Callable) -> dict | str:
+        """Store our record under key and wait (verdict_timeout) until every member's is there and
+        `done`; returns them (peer id -> value), or why not."""
+        self._store(key, value)
         deadline = time.monotonic() + self.cfg.verdict_timeout
         seen: dict[str, Any] = {}
-        # members finish within a few tens of ms of each other; then back off: every DHT read costs
-        # ~10 ms of CPU across our processes and p2pd (measured: polling every 50 ms made the
-        # background take ~1/3 of a 2-core peer's CPU at one round per second)
-        delay = 0.05
+        # members finish within a few tens of ms of each other: read again soon (a late read delays the
+        # round, and with the reducer check every member waits for the last one twice), then back off:
+        # every DHT read costs ~10 ms of CPU across our processes and p2pd (measured: polling every
+        # 50 ms made the background take ~1/3 of a 2-core peer's CPU at one round per second)
+        delay = 0.02
         while time.monotonic() < deadline:
             found = self.dht.get(key, latest=True)
             if found is not None and isinstance(found.value, dict):
                 seen = {str(k): v.value for k, v in found.value.items()}
-            if any(v is False for v in seen.values()):
-                bad = [k[-6:] for k, v in seen.items() if v is False]
-                return False, f"member(s) {', '.join(bad)} reported an incomplete round"
-            if all(seen.get(m) is True or seen.get(m) == ABSTAIN for m in members):
-                return True, ""
+            bad = [k[-6:] for k, v in seen.items() if failed(v)]
+            if bad:
+                return f"member(s) {', '.join(bad)} reported an incomplete round"
+            if all(m in seen and done(seen[m]) for m in members):
+                return seen
             time.sleep(delay)
-            delay = min(0.5, delay * 2)
+            delay = min(0.25, delay * 1.5)
         missing = [m[-6:] for m in members if m not in seen]
-        return False, f"no verdict within {self.cfg.verdict_timeout}s from member(s) {', '.join(missing)}"
+        return f"no verdict within {self.cfg.verdict_timeout}s from member(s) {', '.join(missing)}"
+
+
+def _verdict(value):
+    """A member's verdict, from a record with the reducer check's evidence or a bare one."""
+    return value.get("verdict") if isinstance(value, dict) else value
+
+
+def aggregation_of(cfg) -> str:
+    """The reducers' rule: per_contribution keeps each member's slot whole, which only a mean does."""
+    return cfg.aggregation if cfg.outer_apply == "group" else "mean"
+
+
+def checks_reducers(cfg) -> bool:
+    """int8/int4 replies are rounded by as much as the lies the check would catch: not checked."""
+    return cfg.check_reducers and cfg.compression in ("none", "fp16") and cfg.outer_apply == "group"
+
+
+def weight_ratio(aggregation: str) -> Optional[float]:
+    return robust.WEIGHT_RATIO if aggregation == "centered_clip" else None
 
 
 def contribution_weight(tokens: int, age: int) -> float:

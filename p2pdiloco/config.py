@@ -42,6 +42,7 @@ CODECS = ("none", "fp16", "int8", "int4")  # compression.py implements them; kep
 # operator commands (status, prepare, ...) read a config without importing torch
 PATH_KEYS = ("data", "shard_cache", "init_from", "hf_config", "log_dir", "maddrs_file", "identity_path",
              "checkpoint_dir", "tensorboard_dir", "initial_peers_file")
+AGGREGATIONS = ("mean", "centered_clip")  # robust.py implements centered_clip
 
 # Fields that define the model's shape: peers must agree on them to average together.
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
@@ -140,7 +141,18 @@ class Config:
     compression: str = _f("fp16", "Pseudo-gradient transport: none (fp32), fp16, int8 or int4 (blockwise, "
                                    "per-block scales, fp32 accumulation); the whole run must use the same.")
     max_norm_ratio: float = _f(
-        10.0, "A contribution whose pseudo-gradient norm exceeds this many times the group median is clipped.")
+        10.0, "A contribution whose pseudo-gradient norm exceeds this many times the group median is excluded.")
+    aggregation: str = _f("centered_clip", "How a reducer combines the members' parts: centered_clip (robust: a "
+                                           "member far from the others pulls the average by at most the group's "
+                                           "median distance; docs/security.md) or mean (hivemind's weighted "
+                                           "mean). outer_apply = per_contribution always uses the mean.")
+    check_reducers: bool = _f(True, "After each round, the members check by random projections that every reducer "
+                                    "returned the aggregate of what it was sent, and discard a round that fails "
+                                    "(fp16 and fp32 transport only: int8/int4 round the average by as much as the "
+                                    "lies it catches).")
+    ban_time: float = _f(600.0, "Seconds a peer whose contributions were excluded or clipped hard (or whose reducer "
+                                "failed the check) in most of its last rounds with us is kept out of our groups "
+                                "(0 = never).")
     state_timeout: float = _f(30.0, "Seconds to look for peers that share state when joining.")
     wait_for_peers: int = _f(0, "Before the first inner step, wait (up to bootstrap_timeout) until this many peers of "
                                 "the run, this one included, have started: a swarm that starts together "
@@ -220,7 +232,7 @@ class Config:
             value = getattr(self, key)
             need(math.isfinite(value) and value > 0, f"{key} must be a positive number, got {value}")
         for key in ("weight_decay", "grad_clip", "max_time", "warmup_steps", "total_steps", "max_inner_steps",
-                    "max_staleness", "threads", "anchor_tolerance", "wait_for_peers"):
+                    "max_staleness", "threads", "anchor_tolerance", "wait_for_peers", "ban_time"):
             value = getattr(self, key)
             need(math.isfinite(value) and value >= 0, f"{key} must be >= 0, got {value}")
         need(0 <= self.outer_momentum < 1, f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
@@ -232,6 +244,8 @@ class Config:
         need(self.request_timeout < self.matchmaking_time,
              "request_timeout must be smaller than matchmaking_time (hivemind deadlocks otherwise)")
         need(self.compression in CODECS, f"compression must be one of {', '.join(CODECS)}, got {self.compression!r}")
+        need(self.aggregation in AGGREGATIONS,
+             f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
         need(self.outer_apply in ("group", "per_contribution"),
              f"outer_apply must be group or per_contribution, got {self.outer_apply!r}")
         need(self.outer_apply == "group" or self.target_group_size <= 16,
@@ -316,6 +330,8 @@ class Config:
             shared = {"run_id": self.run_id, "model_signature": self.model_signature}
         if self.compression in ("int8", "int4") or self.outer_apply != "group":  # fp16 and fp32 interoperate
             shared.update(compression=self.compression, outer_apply=self.outer_apply)
+        if self.aggregation != "centered_clip" or not self.check_reducers:  # every reducer must use the same rule
+            shared.update(aggregation=self.aggregation, check_reducers=self.check_reducers)
         if not self.merge_anchors:  # the averaged buffer has another shape: such peers cannot meet
             shared.update(merge_anchors=False)
         if self._init_sha:  # pretrained weights: every founder starts from the same ones

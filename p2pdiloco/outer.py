@@ -57,6 +57,42 @@ def corrupt_for_test(delta: torch.Tensor, how: str) -> torch.Tensor:
     return delta
 
 
+# Test-only: make this peer a malicious volunteer that sends a crafted pseudo-gradient instead of its own
+# (attack_for_test; scripts/bench.py byzantine). "lie:K" is a lying reducer, played by the averager process:
+# this peer then sends its honest pseudo-gradient.
+TEST_ATTACK = os.environ.get("P2PDILOCO_TEST_ATTACK", "")
+SENDER_ATTACK = "" if TEST_ATTACK.startswith("lie:") else TEST_ATTACK
+
+
+def attack_for_test(how: str, g: torch.Tensor, prev: torch.Tensor, outer_step: int) -> torch.Tensor:
+    """What an attacker sends instead of its own pseudo-gradient g, knowing prev, the last group average it
+    received (g before its first applied round): "signflip:K" -K g; "alie:Z" prev - Z |g - prev| ("a little
+    is enough", arXiv 1902.06156); "ipm:E" -E prev (inner product manipulation, arXiv 1903.03936); "noise" or
+    "noise:K" Gaussian noise of K times g's norm (1), the same for the same outer step."""
+    kind, _, arg = how.partition(":")
+    try:
+        k = float(arg) if kind in ("signflip", "alie", "ipm") or (kind == "noise" and arg) else None
+    except ValueError:
+        k = None
+    if k is None and how != "noise":
+        raise ValueError(f"P2PDILOCO_TEST_ATTACK must be signflip:K, alie:Z, ipm:E, noise[:K] or lie:K (K, Z, E "
+                         f"numbers), got {how!r}")
+    if kind == "signflip":
+        return -k * g
+    if kind == "alie":
+        # not omniscient: the paper's attacker knows every honest pseudo-gradient's mean and spread; this one
+        # has the last average (an outer step old) and one sample of the spread, its own distance from it
+        return prev - k * (g - prev).abs()
+    if kind == "ipm":
+        return -k * prev
+    noise = torch.randn(g.shape, generator=torch.Generator().manual_seed(outer_step)).to(g.device, g.dtype)
+    return noise * ((k or 1.0) * g.norm() / noise.norm().clamp_min(1e-12))
+
+
+if SENDER_ATTACK:  # a typo fails the peer at start, not at its first round
+    attack_for_test(SENDER_ATTACK, torch.zeros(1), torch.zeros(1), 0)
+
+
 @dataclass
 class PendingRound:
     """The round in flight, and what applying (or discarding) it needs."""
@@ -88,6 +124,7 @@ class SwarmRounds:
     """The round half of Peer: _start_round / _finish_round and what they need."""
 
     clock: Optional[schedule.Clock] = None  # rounds on a schedule (the Peer sets it when it starts training)
+    _attack_prev: Optional[torch.Tensor] = None  # SENDER_ATTACK: the last group average this peer received
 
     def _install(self, loaded: state.OuterState, *, keep_local: bool, tokens_kept: int = 0) -> None:
         """Adopt a downloaded anchor; keep_local keeps the progress made since the last snapshot
@@ -187,6 +224,9 @@ class SwarmRounds:
             digest = [v + 1.0 for v in digest]
         elif TEST_CORRUPT:  # only the outgoing values: a faulty sender's own model must not blow up first
             sent = corrupt_for_test(delta, TEST_CORRUPT)
+        elif SENDER_ATTACK:
+            prev = self._attack_prev if self._attack_prev is not None else delta
+            sent = attack_for_test(SENDER_ATTACK, delta, prev, self.outer_step)
         # per_contribution: equal weights, so slot j of the average is member j's pseudo-gradient / group size
         weight = 1.0 if cfg.outer_apply == "per_contribution" else contribution_weight(self.tokens_since_anchor, age)
         if too_stale:  # a zero pseudo-gradient must not dilute the others' average
@@ -235,9 +275,8 @@ class SwarmRounds:
                                        full=len(outcome.members) >= self.swarm_size)
             else:
                 self.clock.after_no_group()
-        if outcome.report is not None:
-            for peer, why in outcome.report.rejected.items():
-                self.metrics.log("bad_contribution", sender=peer, reason=why, outer_step=self.outer_step)
+        # bad_contribution and reducer_check events; a peer that keeps attacking is banned (suspects.py)
+        self.suspects.judge(outcome, self.metrics, self.averager, outer_step=self.outer_step)
         if not outcome.ok:
             self._undo_preview(pending)
             self._count_from_formation(pending)
@@ -279,6 +318,8 @@ class SwarmRounds:
             else:
                 diloco.outer_step_(self.anchor, self.momentum, outcome.average, scale=share,
                                    outer_lr=self.cfg.outer_lr, outer_momentum=self.cfg.outer_momentum)
+            if SENDER_ATTACK:  # per_contribution holds one slot per member: their sum is the average
+                self._attack_prev = outcome.average.view(-1, self.numel)[:len(members)].sum(0)
             self.outer_step = max(m["outer_step"] for m in members) + 1
         self._place_progress()  # diloco.merge_local, parameter by parameter
         self._params_changed = True

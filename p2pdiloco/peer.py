@@ -37,6 +37,7 @@ from p2pdiloco.metrics import Metrics
 from p2pdiloco.model import build_model, flat_params, load_flat_, num_params
 from p2pdiloco.outer import PendingRound, SwarmRounds
 from p2pdiloco.ranks import Ranks
+from p2pdiloco.suspects import Suspects
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +196,7 @@ class Peer(SwarmRounds):
                                        if sharing else None)
         self.averager.release_staging()  # merge segments and download staging: in memory only while used
         self.rounds = RoundRunner(self.averager, self.dht, cfg)
+        self.suspects = Suspects(ban_time=cfg.ban_time, peer_id=self.peer_id)
         # again: hivemind's averager sets SIGINT to ignored when it starts
         if self.handle_signals:
             self._install_signal_handlers()
@@ -601,6 +603,8 @@ class Peer(SwarmRounds):
                 "group_size": self.last_group_size, "rounds_applied": self.rounds_applied,
                 "rounds_failed": self.rounds_failed, "eval_loss": self.last_eval_loss, "time": time.time(),
                 **({"data": self.claims.position()} if self.claims is not None else {}),
+                **({"banned": self.suspects.record()} if getattr(self, "suspects", None) and self.suspects.banned()
+                   else {}),
                 **(self.clock.record() if self.clock else {})}
 
     def bits_per_byte(self, loss: Optional[float]) -> Optional[float]:

@@ -118,7 +118,10 @@ def clean_record(record: dict) -> dict | None:
     if not _is_number(record.get("time")) or not math.isfinite(record["time"]):
         return None
     maddrs = record.get("maddrs")
-    return {**record, **{k: record.get(k) if _is_number(record.get(k)) else None for k in NUMBER_FIELDS},
+    banned = record.get("banned")
+    banned = {str(k)[:64]: str(v)[:80] for k, v in list(banned.items())[:32]} if isinstance(banned, dict) else {}
+    return {**record, "banned": banned,
+            **{k: record.get(k) if _is_number(record.get(k)) else None for k in NUMBER_FIELDS},
             "device": str(record.get("device", "?"))[:64],
             "maddrs": [m for m in maddrs if isinstance(m, str)][:8] if isinstance(maddrs, list) else []}
 
@@ -252,7 +255,19 @@ def format_table(records: list[dict], run_id: str, now: float | None = None, pre
     s = summary(records)
     lines = [line(header), *(line(row) for row in rows)] if records else [f"no live peers in run {run_id!r}"]
     lines.append(f"{s['peers']} peer(s), swarm {s['tokens_per_s']:,.0f} tokens/s, highest outer step {s['outer_step']}")
+    lines += suspect_lines(records)
     return "\n".join(lines)
+
+
+def suspect_lines(records: list[dict]) -> list[str]:
+    """A line per peer that live peers have banned (suspects.py: excluded, clipped hard or a lying
+    reducer in most of its rounds with them), most bans first."""
+    by_peer: dict[str, list] = {}
+    for record in records:
+        for peer, why in (record.get("banned") or {}).items():
+            by_peer.setdefault(peer, []).append(why)
+    return [f"suspect {peer}: banned by {len(whys)} of {len(records)} peer(s) ({max(set(whys), key=whys.count)})"
+            for peer, whys in sorted(by_peer.items(), key=lambda item: -len(item[1]))]
 
 
 # --------------------------------------------------------------------------------- run

@@ -13,6 +13,9 @@
     python scripts/bench.py hetero      # peers at speeds 1, 1, 0.5, 0.25: time to sync DiLoCo's loss
     python scripts/bench.py hivemind    # hivemind.Optimizer (local updates) vs the swarm, equal tokens and time,
                                         #   fault-free and one peer SIGKILLed
+    python scripts/bench.py byzantine   # one attacking volunteer (sign flip, ALIE, IPM, noise, a lying reducer)
+                                        #   against the weighted mean and centered clipping
+    python scripts/bench.py byzantine_collude  # two attackers that send the same thing, centered clipping
     python scripts/bench.py all --repeat 2 --out runs/bench
 
 Every comparison runs the baselines and p2pdiloco on the same model, data, seeds and token budget
@@ -67,6 +70,10 @@ class Size:
     sweep_grid: tuple = ()  # (outer lr, outer momentum) cells of `sweep`; () = the whole grid below
     pace: float = 1.0   # quality runs: every peer sleeps to this slowdown (sleeping costs no CPU), so that on
                         # a crowded machine a peer's 60 steps still span several rounds of the other's
+    byzantine_peers: int = 5          # `byzantine`: peers, the last one attacking (byzantine_collude: 2 more)
+    byzantine_steps: int = 800        # inner steps per peer of each byzantine run (~75 s on 2 cores)
+    byzantine_inner_steps: int = 20   # and its H
+    byzantine_runs: tuple = ()        # (attack, rule) cells of `byzantine`; () = BYZANTINE_RUNS
 
 
 SIZES = {
@@ -74,7 +81,9 @@ SIZES = {
     # the suite's size: 4 rounds of H = 15; one sweep cell off the preset (the preset's own cell is the
     # ablation's "all" run)
     "quick": Size(peers=2, steps=60, duration=14.0, eval_batches=2, parallel=8, inner_steps=15, overhead_factor=1,
-                  pace=3.0, sweep_grid=((0.5, 0.9),)),
+                  pace=3.0, sweep_grid=((0.5, 0.9),), byzantine_peers=3, byzantine_steps=20, byzantine_inner_steps=10,
+                  byzantine_runs=(("clean", "mean"), ("clean", "centered_clip"), ("signflip:5", "mean"),
+                                  ("signflip:5", "centered_clip"), ("lie:4", "centered_clip"))),
     # 120 outer steps of synchronous DiLoCo at H=50: long enough that DiLoCo's outer loop, not the budget, decides
     "long": Size(peers=4, steps=6000, duration=600.0, eval_batches=16, parallel=1, inner_steps=50),
 }
@@ -105,6 +114,27 @@ SWEEP_OUTER_MOMENTUM = (0.6, 0.9)
 SYNC_OUTER = {"outer_lr": 1.0, "outer_momentum": 0.6}
 
 
+# `bench.py byzantine`: what the attacking peer sends instead of its pseudo-gradient (P2PDILOCO_TEST_ATTACK,
+# outer.attack_for_test), against each aggregation rule; "lie:4" is a reducer that returns -4 times its part
+# of the average (allreduce.py), caught by check_reducers
+# The issue's list, then the strongest of each kind that stays inside the norm bound (10x the group median):
+# with one attacker in five, the weaker ones move a mean by less than the run-to-run noise of this size
+ATTACKS = ("signflip:1", "signflip:5", "alie:1", "alie:1.5", "ipm:0.1", "ipm:2", "noise", "ipm:4", "noise:9")
+RULES = {"mean": {"aggregation": "mean", "check_reducers": False},
+         "centered_clip": {"aggregation": "centered_clip", "check_reducers": True},
+         # what the reducer check costs a clean swarm (--rules): the robust rule without it
+         "centered_clip_unchecked": {"aggregation": "centered_clip", "check_reducers": False}}
+BYZANTINE_RUNS = (*[(attack, rule) for attack in ("clean", *ATTACKS) for rule in ("mean", "centered_clip")],
+                  ("lie:4", "centered_clip"), ("lie:4", "mean"))
+# `bench.py byzantine_collude`: two attackers that send the same; the reference: every peer honest, under the mean
+COLLUSION_RUNS = (("clean", "mean"), ("alie:1", "centered_clip"), ("signflip:5", "centered_clip"))
+
+
+def byzantine_name(attack: str, rule: str) -> str:
+    """A run id's part: "signflip:5", "centered_clip" -> "signflip5_centered_clip" (no dots or colons)."""
+    return f"{attack.replace(':', '').replace('.', 'p')}_{rule}"
+
+
 def variant(name: str) -> dict:
     """A variant's overrides: its mechanisms on, the others off."""
     return {**{m: False for m in MECHANISMS}, **VARIANTS[name]}
@@ -124,11 +154,15 @@ class Bench:
 
     # ------------------------------------------------------------------------------ runs
 
-    def swarm(self, name: str, *, overrides: dict, per_peer: dict | None = None, net: Namespaces | None = None,
+    def swarm(self, name: str, *, overrides: dict, per_peer: dict | None = None,
+              per_peer_env: dict[int, dict] | None = None, outsiders: tuple = (), net: Namespaces | None = None,
               timeout: float = 1200, preset: str = PRESET, kill_at_step: int | None = None) -> dict:
         """A swarm of real `p2pdiloco join` processes that stop by themselves (max_inner_steps or
-        max_time); returns its summary. per_peer: peer index -> extra overrides. kill_at_step: the last
-        peer is SIGKILLed (its whole process group: a crashed machine) once it logged that inner step."""
+        max_time); returns its summary. per_peer: peer index -> extra overrides. per_peer_env: peer index ->
+        environment variables of that peer alone (a test hook: P2PDILOCO_TEST_ATTACK). outsiders: peer
+        indices (attackers) left out of the summary, whose exit codes are not checked; the summary names
+        their peer ids. kill_at_step: the last peer is SIGKILLed (its whole process group: a crashed
+        machine) once it logged that inner step."""
         workdir = self.out / "runs" / f"{name}-s{self.seed}"
         shutil.rmtree(workdir, ignore_errors=True)
         names = [chr(ord("a") + i) for i in range(self.size.peers)]
@@ -139,11 +173,14 @@ class Bench:
         with LocalSwarm(workdir, config=preset) as swarm:
             # every peer starts at once, through a DHT node that trains nothing
             swarm.start_bootstrap("boot", host=net.addr(0) if net else "127.0.0.1", wrapper=net.prefix(0) if net else ())
+            env = swarm.env
             for i, (peer, values) in enumerate(zip(names, peer_values)):
                 if net is not None:
                     values["host_maddrs"] = f"/ip4/{net.addr(i)}/tcp/0"
                 args = [a for k, v in values.items() for a in _flag(k, v)]
+                swarm.env = {**env, **(per_peer_env or {}).get(i, {})}
                 swarm.start(peer, *args, join="boot", wrapper=net.prefix(i) if net else ())
+            swarm.env = env
             t0, killed = time.monotonic(), names[-1] if kill_at_step else None
             if killed:
                 swarm.wait_for(lambda: max([r["inner_step"] for r in swarm.events(killed, "inner")], default=0)
@@ -153,7 +190,9 @@ class Bench:
             swarm.wait_for(lambda: all(swarm.peers[p].proc.poll() is not None for p in names),
                            max(1.0, timeout - (time.monotonic() - t0)), what=f"{name}: every peer done")
             codes = swarm.stop_all()
-            failed = {peer: codes[peer] for peer in names if codes[peer] != 0 and peer != killed}
+            left_out = [names[i] for i in outsiders]
+            failed = {peer: codes[peer] for peer in names if codes[peer] != 0 and peer != killed
+                      and peer not in left_out}
             if failed:
                 peer = next(iter(failed))
                 raise RuntimeError(f"{name}: peers exited with {failed}: {swarm.stderr(peer, 600)}")
@@ -162,7 +201,23 @@ class Bench:
         slowdowns = {peer: float(values.get("slowdown", 1.0)) for peer, values in zip(names, peer_values)}
         preset_outer = tomllib.loads(Path(preset).read_text()).get("outer", {})
         outer = {k: overrides.get(k, preset_outer.get(k)) for k in ("outer_lr", "outer_momentum")}
-        return {**summarize_swarm(name, records, before, after, slowdowns), **outer, "killed": killed}
+        ids = {peer: next((r["peer"] for r in records[peer]), None) for peer in left_out}
+        honest = {peer: recs for peer, recs in records.items() if peer not in left_out}
+        settled = statistics.mean(settled_eval([r for r in honest[p] if r["event"] == "outer"], len(names))
+                                  for p in honest)
+        return {**summarize_swarm(name, honest, before, after, slowdowns), **outer, "killed": killed,
+                "settled_eval": settled,
+                "defence": defence(honest, set(ids.values())),
+                **({"outsiders": {peer: {"peer_id": ids[peer], "exit_code": codes[peer]} for peer in left_out}}
+                   if left_out else {})}
+
+    def attempt(self, **kwargs) -> dict:
+        """self.swarm, but a run that fails is a result ({"name", "error"}), not the end of its study: a
+        swarm that an attack drives to divergence must not cost the other runs."""
+        try:
+            return self.swarm(**kwargs)
+        except Exception as e:
+            return {"name": kwargs["name"], "error": f"{type(e).__name__}: {e}"[:2000]}
 
     def ddp(self, name: str, *, steps: int, overrides: dict, net: Namespaces | None = None) -> dict:
         workdir = self.out / "runs" / f"{name}-s{self.seed}"
@@ -358,6 +413,34 @@ class Bench:
                               "ahead": pct is not None and pct < 0})
         return {"runs": runs, "pairs": pairs, "met": all(p["ahead"] for p in pairs)}
 
+    def byzantine(self, colluders: int = 1) -> dict:
+        """Untrusted volunteers: a swarm of byzantine_peers (default mechanisms) whose last `colluders` peers
+        attack (P2PDILOCO_TEST_ATTACK, the same attack each), under hivemind's weighted mean and under
+        centered clipping with the reducer check. Each run's summary covers the honest peers only (an
+        attacker's own model is honest; its eval is not the swarm's), plus their defence counts (clipped
+        senders, bans, reducer checks). The figure: final eval loss over that of the clean swarm under the
+        mean (every peer honest: an attack also costs the attacker's share of the tokens)."""
+        n = self.size.byzantine_peers + 2 * (colluders - 1)  # 5 peers with one attacker, 7 with two
+        crowd = Bench(self.out, replace(self.size, peers=n, inner_steps=self.size.byzantine_inner_steps),
+                      seed=self.seed, data=self.data)
+        steps = self.size.byzantine_steps
+        base = {**crowd.common(steps), "max_inner_steps": steps, "target_group_size": n, **self.extra}
+        attackers = tuple(range(n - colluders, n))
+        cells = COLLUSION_RUNS if colluders > 1 else self.size.byzantine_runs or BYZANTINE_RUNS
+        jobs = [(crowd.attempt, dict(
+            name=byzantine_name(attack, rule) + (f"_x{colluders}" if colluders > 1 else ""),
+            overrides={**base, **RULES[rule]},
+            per_peer_env={} if attack == "clean" else {i: {"P2PDILOCO_TEST_ATTACK": attack} for i in attackers},
+            outsiders=() if attack == "clean" else attackers)) for attack, rule in cells]
+        by_cell = {(attack, rule): {**run, "attack": attack, "rule": rule,
+                                    "colluders": 0 if attack == "clean" else colluders}
+                   for (attack, rule), run in zip(cells, crowd.many(jobs))}
+        return byzantine_result(by_cell, colluders, n)
+
+    def byzantine_collude(self) -> dict:
+        """`byzantine` with two attackers (2 more peers) that send the same crafted pseudo-gradient."""
+        return self.byzantine(colluders=2)
+
     def slowlinks(self, rate_mbit: float = 50.0) -> dict:
         ok, why = available()
         if not ok:
@@ -457,7 +540,9 @@ def summarize_swarm(name: str, records: dict, before, after, slowdowns: dict) ->
         outer = [r for r in recs if r["event"] == "outer"]
         tokens_per_step = final["tokens"] / max(1, final["inner_step"])
         contributions += [r["tokens"] / tokens_per_step for r in outer if r.get("tokens")]
-        peers[peer] = {"final_eval": final["eval_loss"], "tokens": final["tokens"], "inner_step": final["inner_step"],
+        # metrics log a non-finite loss as None: a diverged peer's final eval is inf
+        final_eval = math.inf if final["eval_loss"] is None else final["eval_loss"]
+        peers[peer] = {"final_eval": final_eval, "tokens": final["tokens"], "inner_step": final["inner_step"],
                        "outer_steps_applied": len(outer), "wall_s": final["wall_s"], "compute_s": final["compute_s"],
                        "final_wait_s": final.get("final_wait_s", 0.0), "end": final["time"],
                        "start": final["time"] - final["wall_s"] - final.get("final_wait_s", 0.0),
@@ -469,6 +554,7 @@ def summarize_swarm(name: str, records: dict, before, after, slowdowns: dict) ->
                        "msg_bytes_sent": sum(r["bytes_sent"] for r in outer),
                        "msg_bytes_recv": sum(r["bytes_recv"] for r in outer)}
     start, end = min(p["start"] for p in peers.values()), max(p["end"] for p in peers.values())
+    round_s = [r["round_s"] for recs in records.values() for r in recs if r["event"] == "outer" and r.get("round_s")]
     # a SIGKILLed peer's tokens up to its last record count too: they are in the swarm's curve
     tokens = sum(p["tokens"] for p in peers.values()) + sum(
         max([r["tokens"] for r in recs if r["event"] == "inner"], default=0)
@@ -480,7 +566,8 @@ def summarize_swarm(name: str, records: dict, before, after, slowdowns: dict) ->
            "sum_own_tokens_per_s": sum(p["tokens"] / (p["compute_s"] * slowdowns[k]) for k, p in peers.items()),
            "compute_utilization": statistics.mean(p["compute_s"] / p["wall_s"] for p in peers.values()),
            "curve": curve, "eval_curve_losses": [c[2] for c in curve], "peers": peers,
-           "msg_sent_per_step": sum(p["msg_bytes_sent"] for p in peers.values()) / steps}
+           "msg_sent_per_step": sum(p["msg_bytes_sent"] for p in peers.values()) / steps,
+           "round_s": statistics.mean(round_s) if round_s else None}
     applied = sum(p["outer_steps_applied"] for p in peers.values())
     out.update(full_group_fraction=sum(p["full_rounds"] for p in peers.values()) / max(1, applied),
                resyncs=sum(p["resyncs"] for p in peers.values()), merges=sum(p["merges"] for p in peers.values()),
@@ -493,6 +580,101 @@ def summarize_swarm(name: str, records: dict, before, after, slowdowns: dict) ->
         out["rounds_to_full_after_kill"] = rounds_to_full(records, set(peers), max(r["time"] for r in killed[0]))
     out.update(_wire(before, after, steps))
     return out
+
+
+def defence(records: dict, attackers: set) -> dict:
+    """What the (honest) peers' records say of the defences, summed over peers: senders their reducers
+    clipped (attackers' and honest ones: false alarms), bans, and each reducer check (an event per peer
+    per round) of a group that held an attacker: how many caught it. Events a version without the robust
+    rule does not log count 0."""
+    events = [r for recs in records.values() for r in recs]
+    clipped = [r for r in events if r["event"] == "bad_contribution" and str(r.get("reason", "")).startswith("clipped")]
+    banned = [r for r in events if r["event"] == "banned"]
+    checked = [r for r in events if r["event"] == "reducer_check" and attackers & set(r.get("members") or ())]
+    caught = sum(bool(attackers & set(r.get("bad") or ())) for r in checked)
+    return {"clipped_attacker": sum(r.get("sender") in attackers for r in clipped),
+            "clipped_honest": sum(r.get("sender") not in attackers for r in clipped),
+            "banned_attacker": sum(r.get("sender") in attackers for r in banned),
+            "banned_honest": sum(r.get("sender") not in attackers for r in banned),
+            "reducer_check": {"rounds": len(checked), "caught": caught,
+                              "rate": caught / len(checked) if checked else None}}
+
+
+def loss_ratio(run: dict, ref: dict | None):
+    """run's settled eval loss over ref's; a diverged run (non-finite loss) is inf; None if either failed."""
+    if ref is None or "error" in run or "error" in ref:
+        return None
+    loss = run["settled_eval"]
+    return loss / ref["settled_eval"] if loss is not None and math.isfinite(loss) else math.inf
+
+
+def settled_eval(outer: list, peers: int) -> float:
+    """A peer's eval loss at its last outer step whose group held a majority of the swarm's peers (inf if
+    it diverged). What comes after is the end of a run: groups of 2 or 3 that form once the others have
+    stopped, whose last outer step raised the loss by up to 0.7 nats under either rule (docs/security.md)."""
+    kept = [r for r in outer if 2 * r["group_size"] > peers]
+    loss = kept[-1].get("eval_loss") if kept else None
+    return math.inf if loss is None or not math.isfinite(loss) else loss
+
+
+def byzantine_result(by_cell: dict, colluders: int, peers: int) -> dict:
+    """`bench.py byzantine`'s figures from its runs ((attack, rule) -> summary): each run's settled eval over
+    the clean swarm's under the mean, and the issue's targets."""
+    ref = by_cell.get(("clean", "mean"))
+    for run in by_cell.values():
+        run["ratio"] = loss_ratio(run, ref)
+    runs = {run["name"]: run for run in by_cell.values()}
+
+    def check(what: str, value, op: str, target: float) -> dict:
+        met = None if value is None else (value <= target if op == "<=" else value >= target)
+        return {"what": what, "value": value, "target": f"{op} {target:g}", "met": met}
+
+    checks = []
+    if colluders > 1:
+        checks += [check(f"{attack} by {colluders} colluders, centered_clip: settled eval / clean mean's",
+                         r["ratio"], "<=", 1.05) for (attack, rule), r in by_cell.items() if attack != "clean"]
+        return {"runs": runs, "checks": checks, "colluders": colluders, "peers": peers}
+    mean_runs = [by_cell[a, "mean"]["ratio"] for a in ATTACKS if (a, "mean") in by_cell]
+    if mean_runs:
+        degraded = sum(r is not None and r >= 1.1 for r in mean_runs)
+        checks.append(check(f"mean: attacks that degrade it >= 1.1x (of {len(mean_runs)})", degraded, ">=",
+                            min(3, len(mean_runs))))
+    checks += [check(f"centered_clip under {attack}: settled eval / clean mean's", r["ratio"], "<=", 1.02)
+               for (attack, rule), r in by_cell.items() if rule == "centered_clip" and attack != "clean"]
+    ref = by_cell.get(("clean", "mean"))
+    for rule in ("centered_clip", "centered_clip_unchecked"):
+        clean = by_cell.get(("clean", rule))
+        if clean is None:
+            continue
+        checks.append(check(f"clean {rule}: settled eval / clean mean's", clean["ratio"], "<=", 1.01))
+        rounds = [clean.get("round_s"), (ref or {}).get("round_s")]  # None: a failed run, or no round
+        time_ratio = rounds[0] / rounds[1] if all(rounds) else None
+        checks.append(check(f"clean {rule}: round time / clean mean's", time_ratio, "<=", 1.15))
+    for (attack, rule), r in by_cell.items():
+        if attack.startswith("lie:") and RULES[rule]["check_reducers"]:
+            checks.append(check(f"{attack} ({rule}): its rounds in which the reducer check caught it",
+                                (r.get("defence") or {}).get("reducer_check", {}).get("rate"), ">=", 0.95))
+    return {"runs": runs, "checks": checks, "colluders": colluders, "peers": peers}
+
+
+def rescore(results: dict, out: Path) -> None:
+    """Recompute the byzantine studies' settled evals (from the runs' metrics kept in out/runs) and figures."""
+    for seed, comps in results["by_seed"].items():
+        for comp in ("byzantine", "byzantine_collude"):
+            study = comps.get(comp)
+            if not study or "runs" not in study:
+                continue
+            for run in study["runs"].values():
+                workdir = out / "runs" / f"{run['name']}-s{seed}"
+                if "error" in run or not workdir.exists():
+                    continue
+                outsiders = set(run.get("outsiders") or ())
+                logs = [p for p in sorted(workdir.iterdir()) if (p / "metrics.jsonl").exists()]
+                evals = [settled_eval([r for r in read_metrics(p / "metrics.jsonl") if r["event"] == "outer"],
+                                      len(logs)) for p in logs if p.name not in outsiders]
+                run["settled_eval"] = statistics.mean(evals)
+            by_cell = {(r["attack"], r["rule"]): r for r in study["runs"].values()}
+            comps[comp] = byzantine_result(by_cell, study["colluders"], study["peers"])
 
 
 def rounds_to_full(records: dict, survivors: set, kill_t: float) -> dict:
@@ -676,8 +858,9 @@ def bare_main(steps: int, seed: int, overrides: dict, preset: str = PRESET) -> N
 # ------------------------------------------------------------------------------ main
 
 COMPARISONS = ("quality", "traffic", "stragglers", "slowlinks", "overhead")  # what `all` runs
-# the decoupled swarm's mechanisms, the outer optimizer's tuning, heterogeneous peers, hivemind.Optimizer
-STUDIES = ("ablation", "sweep", "hetero", "hivemind")
+# the decoupled swarm's mechanisms, the outer optimizer's tuning, heterogeneous peers, hivemind.Optimizer,
+# untrusted volunteers
+STUDIES = ("ablation", "sweep", "hetero", "hivemind", "byzantine", "byzantine_collude")
 
 
 def main(argv=None) -> int:
@@ -690,7 +873,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-baselines", dest="baselines", action="store_false",
                         help="ablation: the variants only, no DDP or sync runs (compare with another run's)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="ablation, sweep, hivemind: a config override for every run but sync DiLoCo's "
+                        help="ablation, sweep, hivemind, byzantine: a config override for every run but sync DiLoCo's "
                              "outer lr and momentum (e.g. outer_lr=0.7), repeatable")
     parser.add_argument("--out", default="", help="output directory (default: a new temporary directory)")
     parser.add_argument("--repeat", type=int, default=1, help="run everything this many times (seeds 0, 1, ...)")
@@ -703,6 +886,12 @@ def main(argv=None) -> int:
     parser.add_argument("--overrides", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--preset", default=PRESET, help=argparse.SUPPRESS)
     parser.add_argument("--duration", type=float, default=0, help="gpu: seconds of training (default 180)")
+    parser.add_argument("--rescore", action="store_true",
+                        help="byzantine: recompute the figures of the runs in --out from their metrics, run nothing")
+    parser.add_argument("--rules", default="mean,centered_clip", help=f"byzantine --attacks: under these rules "
+                                                                      f"(of {', '.join(RULES)})")
+    parser.add_argument("--attacks", default="", help="byzantine: only these attacks (comma-separated, 'clean' "
+                                                      "for the honest swarm), each under both rules")
     args = parser.parse_args(argv)
     if args.comparison == ["_bare"]:
         bare_main(args.steps, args.seed, json.loads(args.overrides), args.preset)
@@ -724,9 +913,18 @@ def main(argv=None) -> int:
         except json.JSONDecodeError:
             extra[key] = value
     if args.steps:
-        size = replace(size, steps=args.steps)
+        size = replace(size, steps=args.steps, byzantine_steps=args.steps)
     if args.duration:
         size = replace(size, duration=args.duration)
+    if args.rescore:  # the byzantine studies' figures again, from the runs on disk
+        results = json.loads((Path(args.out) / "results.json").read_text())
+        rescore(results, Path(args.out))
+        (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))
+        print(report(results, Path(args.out)))
+        return 0
+    if args.attacks:
+        size = replace(size, byzantine_runs=tuple((a, rule) for a in args.attacks.split(",")
+                                                  for rule in args.rules.split(",")))
     if args.parallel:
         size = replace(size, parallel=args.parallel)
     out = Path(args.out or tempfile.mkdtemp(prefix="p2pdiloco-bench-"))

@@ -4,6 +4,7 @@ and wall time."""
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -61,6 +62,9 @@ def headline(results: dict) -> list[str]:
             for H, o in comps["overhead"]["by_inner_steps"].items():
                 put(f"overhead of join vs bare loop, H={H} (target <= 3%)", i,
                     f"{o['overhead_pct']:+.2f}% {'met' if o['met'] else 'MISSED'}")
+        for comp in ("byzantine", "byzantine_collude"):
+            for c in comps.get(comp, {}).get("checks", []):
+                put(f"{c['what']} (target {c['target']})", i, f"{_num(c['value'])} {_met(c['met'])}")
     lines = ["| measure | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---" * (len(seeds) + 1) + "|"]
     lines += [f"| {k} | " + " | ".join(v) + " |" for k, v in rows.items()]
     return lines
@@ -202,6 +206,9 @@ def report(results: dict, out: Path) -> str:
                 lines.append(f"| {c['what']} | {_num(c['p2pdiloco'])} | {_num(c['hivemind'])} | {gap} | "
                              f"{'ahead' if c['ahead'] else 'NOT AHEAD'} |")
             lines.append("")
+        for comp in ("byzantine", "byzantine_collude"):
+            if comps.get(comp):
+                lines += byzantine_tables(comp, comps[comp])
         g = comps.get("gpu")
         if _opened(lines, g, "### gpu (2 small-gpu peers)"):
             mfu = ", ".join(f"{m:.1%}" for m in g["mfu"]) if g["mfu"] else "unknown peak"
@@ -212,6 +219,35 @@ def report(results: dict, out: Path) -> str:
     text = "\n".join(lines)
     (out / "results.md").write_text(text)
     return text
+
+
+def byzantine_tables(comp: str, b: dict) -> list[str]:
+    """bench.py byzantine: every (attack, rule) run over the honest peers, then its targets."""
+    attackers = max(r["colluders"] for r in b["runs"].values())
+    lines = [f"### {comp} ({attackers} attacker(s) of {b['peers']} peers; settled eval of the honest peers (at "
+             "their last round with a majority of the swarm) over the clean swarm's under the mean)", "",
+             "| run | attack | rule | final eval loss | settled eval loss | / clean mean | round s "
+             "| clipped: attacker / honest | banned: attacker / honest "
+             "| reducer checks of its groups that flagged the attacker |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in b["runs"].values():
+        if "error" in r:
+            lines.append(f"| {r['name']} | {r['attack']} | {r['rule']} | FAILED: {r['error'][:200]} | | | | | | |")
+            continue
+        d = r["defence"]
+        check = d["reducer_check"]
+        caught = f"{check['caught']}/{check['rounds']}" if check["rounds"] else "-"
+        lines.append(f"| {r['name']} | {r['attack']} | {r['rule']} | {r['final_eval']:.4f} | "
+                     f"{r.get('settled_eval', math.nan):.4f} | {_num(r['ratio'])} | "
+                     f"{_num(r['round_s'])} | {d['clipped_attacker']} / {d['clipped_honest']} | "
+                     f"{d['banned_attacker']} / {d['banned_honest']} | {caught} |")
+    lines += ["", "| check | value | target | |", "|---|---|---|---|"]
+    lines += [f"| {c['what']} | {_num(c['value'])} | {c['target']} | {_met(c['met'])} |" for c in b["checks"]]
+    return lines + [""]
+
+
+def _met(met) -> str:
+    return "-" if met is None else ("met" if met else "MISSED")
 
 
 def _num(v) -> str:
@@ -226,12 +262,14 @@ def plot(results: dict, out: Path) -> list[str]:
         return []
     made = []
     for seed, comps in results["by_seed"].items():
-        for comp in ("quality", "ablation", "stragglers", "slowlinks", "hetero", "hivemind"):
+        for comp in ("quality", "ablation", "stragglers", "slowlinks", "hetero", "hivemind", "byzantine"):
             runs = (comps.get(comp) or {}).get("runs")
             if not runs:
                 continue
             if comp == "ablation":  # every variant on one chart is unreadable: the baselines, first and last version
                 runs = {k: r for k, r in runs.items() if k == "ddp" or k.split("_h")[0] in ("sync", "none", "all")}
+            if comp == "byzantine":  # each rule, clean and under the strongest sign flip
+                runs = {k: r for k, r in runs.items() if r["attack"] in ("clean", "signflip:5") and "error" not in r}
             fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
             shown = []
             for r in runs.values():

@@ -9,7 +9,7 @@ import hivemind
 import pytest
 import torch
 
-from p2pdiloco import allreduce, averaging
+from p2pdiloco import allreduce, averaging, robust
 from p2pdiloco.averaging import DilocoAverager, RoundRunner
 from p2pdiloco.config import Config
 from p2pdiloco.state import SharedState
@@ -46,15 +46,30 @@ def peers(count: int, *, merge: bool = False, **overrides):
             dht.shutdown()
 
 
-def test_group_averages_weighted_pseudo_grads_and_members_agree():
-    with peers(3) as (cfg, runners):
+@pytest.mark.parametrize("aggregation", ["mean", "centered_clip"])
+def test_group_averages_weighted_pseudo_grads_and_members_agree(aggregation):
+    """The reducers' rule, for real: hivemind's weighted mean, or CenteredClip run by each reducer on its
+    parts (weights capped at 1.5x the median), equal to robust.centered_clip part by part; every
+    member checks every reducer (robust.py's fixed-point check) and finds them honest."""
+    with peers(3, aggregation=aggregation) as (cfg, runners):
         grads = [torch.randn(N) for _ in runners]
         weights = [1.0, 2.0, 5.0]
         futures = [r.start(g, weight=w, gather={"i": i}) for i, (r, g, w) in enumerate(zip(runners, grads, weights))]
         outcomes = [f.result(timeout=60) for f in futures]
     expected = sum(w * g for w, g in zip(weights, grads)) / sum(weights)
+    if aggregation == "centered_clip":
+        capped = torch.tensor([min(w, robust.WEIGHT_RATIO * 2.0) for w in weights])
+        pieces, offset = [], 0
+        for length, _ in outcomes[0].report.layout:  # fp16 transport: the reducers see rounded parts
+            parts = torch.stack([g[offset:offset + length].half().float() for g in grads])
+            pieces.append(robust.centered_clip(parts, capped).average)
+            offset += length
+        expected = torch.cat(pieces)
+        assert len(outcomes[0].report.layout) >= 3  # parts of every reducer
+        assert float((expected - sum(w * g for w, g in zip(weights, grads)) / sum(weights)).norm()) > 1.0
     for o in outcomes:
         assert o.ok, o.reason
+        assert o.check["ok"] and o.check["stat"] < robust.CHECK_THRESHOLD / 10, o.check
         assert len(o.members) == 3
         assert sorted(m["i"] for m in o.members.values()) == [0, 1, 2]
         assert o.report.complete and o.report.bytes_sent > 0 and o.report.bytes_recv > 0
@@ -94,7 +109,7 @@ def test_low_bit_codecs_average_for_real_and_members_hold_the_same_average(codec
     exact weighted mean, and every member holds bit-identical values (absolute replies)."""
     from p2pdiloco.compression import bytes_per_value, make_codec
 
-    with peers(3, compression=codec) as (cfg, runners):
+    with peers(3, compression=codec, aggregation="mean") as (cfg, runners):
         grads = [torch.randn(N) * (i + 1) for i in range(3)]
         weights = [1.0, 2.0, 3.0]
         futures = [r.start(g, weight=w, gather={}) for r, g, w in zip(runners, grads, weights)]
@@ -106,6 +121,7 @@ def test_low_bit_codecs_average_for_real_and_members_hold_the_same_average(codec
     for o in outcomes:
         assert o.ok, o.reason
         assert o.report.complete and not o.report.rejected
+        assert o.check is None  # their rounding is as large as the lies the reducer check would catch
         assert float((o.average - expected).abs().max()) < 2 * step
         assert float((o.average - expected).norm() / expected.norm()) < (0.02 if bits == 8 else 0.3)
     for o in outcomes[1:]:
@@ -146,8 +162,8 @@ def test_per_contribution_slots_return_each_members_pseudo_grad():
             torch.testing.assert_close(o.average[slot * N:(slot + 1) * N] * size, grads[member], atol=1e-5, rtol=1e-5)
 
 
-def merging_peers(count: int):
-    return peers(count, merge=True, target_group_size=count)
+def merging_peers(count: int, aggregation: str = "mean"):
+    return peers(count, merge=True, target_group_size=count, aggregation=aggregation)
 
 
 def _merge_round(runners, anchors, momenta, grads, steps, weights):
@@ -273,3 +289,78 @@ def test_in_place_iteration_ends_when_the_round_is_finalized():
         assert container.local_tensors[0].eq(0).all()
 
     asyncio.run(scenario())
+
+
+@contextlib.contextmanager
+def lying_peers(count: int, liar: int, monkeypatch, **overrides):
+    """peers(), the averager of member `liar` forked with the test hook that makes its reducer answer
+    -4x the true aggregate of its parts (allreduce.TEST_ATTACK, read in the averager process)."""
+    created = []
+    real = DilocoAverager.__init__
+
+    def init(self, *args, **kwargs):
+        monkeypatch.setattr(allreduce, "TEST_ATTACK", "lie:4" if len(created) == liar else "")
+        created.append(self)
+        real(self, *args, **kwargs)  # forks here: the child keeps the hook it saw
+
+    monkeypatch.setattr(DilocoAverager, "__init__", init)
+    with peers(count, target_group_size=count, **overrides) as made:
+        monkeypatch.setattr(DilocoAverager, "__init__", real)
+        yield made
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "centered_clip"])
+def test_a_lying_reducer_is_caught_and_its_round_not_applied(aggregation, monkeypatch):
+    """Member 3's reducer answers -4x the aggregate of its parts: every honest member's check names it
+    and nobody applies the round; a round of the honest three alone passes the same check."""
+    with lying_peers(4, 3, monkeypatch, aggregation=aggregation) as (cfg, runners):
+        grads = [torch.randn(N) + 1.0 for _ in runners]
+        outcomes = [f.result(timeout=60) for f in [r.start(g, weight=1.0, gather={}) for r, g in zip(runners, grads)]]
+        liar = runners[3].peer_id
+        for o in outcomes[:3]:
+            assert not o.ok and "failed the check" in o.reason, o.reason
+            assert o.check["bad"] == [liar] and o.check["stat"] > robust.CHECK_THRESHOLD, o.check
+        honest = [r.start(g, weight=1.0, gather={}) for r, g in zip(runners[:3], grads)]
+        for o in [f.result(timeout=60) for f in honest]:
+            assert o.ok and o.check["ok"] and len(o.members) == 3, (o.reason, o.check)
+
+
+def test_a_malicious_anchor_cannot_drag_the_merge():
+    """A merge round of 4 members at one outer step, one offering the negated anchor (inside the norm
+    bound, so nothing excludes it): with centered_clip the merged anchor stays by the honest three's
+    mean and the sender shows as clipped; the plain mean is dragged halfway to zero."""
+    results = {}
+    for aggregation in ("mean", "centered_clip"):
+        with merging_peers(4, aggregation) as (cfg, runners):
+            liar = runners[3].peer_id
+            base = torch.randn(N)
+            anchors = [base + 0.01 * torch.randn(N) for _ in range(3)] + [-base]
+            momenta = [torch.randn(N) * 0.1 for _ in range(4)]
+            grads = [torch.randn(N) * 0.01 for _ in range(4)]
+            results[aggregation] = _merge_round(runners, anchors, momenta, grads, [4, 4, 4, 4], [1.0] * 4)
+        honest = sum(anchors[:3]) / 3
+        for o in results[aggregation][:3]:
+            assert o.ok and o.report.merged, o.reason
+            error = float((o.anchor - honest).norm() / honest.norm())
+            if aggregation == "mean":
+                assert error > 0.4
+            else:
+                assert error < 0.05, error
+    # the reducers of anchor parts (and only the liar's anchor) saw it clipped hard; the others clip mildly
+    clipped = [o.report.clipped for o in results["centered_clip"]]
+    assert any(c.get(liar, 1.0) < robust.HARD_CLIP for c in clipped), clipped
+    assert all(f > robust.HARD_CLIP for c in clipped for peer, f in c.items() if peer != liar), clipped
+
+
+def test_a_lying_reducer_is_caught_in_a_merge_round_too(monkeypatch):
+    """Merge rounds carry anchors: member 3's reducer answers -4x its parts of [pseudo-gradient |
+    anchor | momentum]; the members check every segment's pieces and apply nothing."""
+    with lying_peers(4, 3, monkeypatch, merge=True) as (cfg, runners):
+        anchors = [torch.randn(N) for _ in range(4)]
+        momenta = [torch.randn(N) * 0.1 for _ in range(4)]
+        grads = [torch.randn(N) * 0.01 for _ in range(4)]
+        outcomes = _merge_round(runners, anchors, momenta, grads, [4, 4, 4, 4], [1.0] * 4)
+        liar = runners[3].peer_id
+    for o in outcomes[:3]:
+        assert o.report.merged and not o.ok and "failed the check" in o.reason, o.reason
+        assert o.check["bad"] == [liar] and o.check["merged"], o.check

@@ -166,3 +166,45 @@ def test_rounds_to_full_counts_rounds_after_the_kill_until_one_holds_every_survi
     # c died at t=10: a's third round after it (one failed, one alone) held a and b, b's second
     assert rounds_to_full(records, {"a", "b"}, kill_t=10) == {"a": 3, "b": 2}
     assert rounds_to_full(records, {"a", "b"}, kill_t=14) == {"a": None, "b": None}
+
+
+@pytest.mark.timeout(120)
+def test_byzantine_study_runs_at_quick_size(tmp_path, corpus):
+    """bench.py byzantine at its quick size: 3 peers, the last one attacking (P2PDILOCO_TEST_ATTACK, its
+    environment alone), under the mean and centered clipping; each run summarizes the honest peers only.
+    The quick numbers mean nothing: the structure is checked, and that the clean runs' numbers are finite."""
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "byzantine", "--quick", "--out",
+                           str(out), "--data", str(corpus)], capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    study = json.loads((out / "results.json").read_text())["by_seed"]["0"]["byzantine"]
+    runs = study["runs"]
+    assert set(runs) == {"clean_mean", "clean_centered_clip", "signflip5_mean", "signflip5_centered_clip",
+                         "lie4_centered_clip"}
+    assert study["peers"] == 3
+    for name, run in runs.items():
+        assert "error" not in run, run.get("error")
+        assert run["colluders"] == (0 if run["attack"] == "clean" else 1), name
+        # the attacker (peer c) is out of the summary; its peer id is known, so its groups can be told
+        assert set(run["peers"]) == ({"a", "b", "c"} if run["attack"] == "clean" else {"a", "b"}), name
+        if run["attack"] != "clean":
+            assert run["outsiders"]["c"]["peer_id"], name
+        assert set(run["defence"]) == {"clipped_attacker", "clipped_honest", "banned_attacker", "banned_honest",
+                                      "reducer_check"}, name
+        if run["attack"] == "clean":  # unpaced, 2 rounds: the first outer step's overshoot may still show
+            assert math.isfinite(run["final_eval"]) and math.isfinite(run["ratio"]) and run["round_s"] > 0, name
+    assert runs["clean_mean"]["ratio"] == 1.0
+    checks = {c["what"]: c for c in study["checks"]}
+    assert "clean centered_clip: round time / clean mean's" in checks
+    assert any(what.startswith("lie:4") for what in checks)
+    md = (out / "results.md").read_text()
+    assert "### byzantine (1 attacker(s) of 3 peers" in md and "FAILED" not in md
+    assert (out / "byzantine-seed0.png").stat().st_size > 10_000
+    # --rescore recomputes the figures from the runs' metrics on disk, running nothing: the same numbers
+    rescored = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "byzantine", "--rescore",
+                               "--out", str(out)], capture_output=True, text=True, timeout=60)
+    assert rescored.returncode == 0, rescored.stderr[-3000:]
+    again = json.loads((out / "results.json").read_text())["by_seed"]["0"]["byzantine"]
+    for name, run in runs.items():
+        assert again["runs"][name]["settled_eval"] == pytest.approx(run["settled_eval"]), name
+    assert [c["met"] for c in again["checks"]] == [c["met"] for c in study["checks"]]

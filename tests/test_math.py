@@ -567,10 +567,12 @@ def test_a_failed_round_counts_the_next_inner_steps_as_an_applied_one(full_group
     from p2pdiloco.averaging import RoundOutcome
     from p2pdiloco.metrics import Metrics
     from p2pdiloco.outer import PendingRound, SwarmRounds
+    from p2pdiloco.suspects import Suspects
 
     loop = SwarmRounds()  # the round half of a peer, without the peer: no network is touched here
     loop.cfg, loop.metrics = Config(full_groups=full_groups), Metrics(None, "a")
     loop.rounds_failed, loop.outer_step, loop.averager = 0, 3, None
+    loop.suspects = Suspects(ban_time=0.0)
     loop.inner_step, loop.steps_since_round = 130, 30   # we entered matchmaking at step 100
     future = concurrent.futures.Future()
     future.set_result(RoundOutcome(ok=False, reason="incomplete round: 5888 of 120576 values never came back"))

@@ -1,0 +1,138 @@
+"""Robust aggregation of one part of a round, and the check that a reducer computed it honestly.
+
+CenteredClip (Karimireddy et al., arXiv 2012.10333; run per reducer part as BTARD's
+"ButterflyClip", Gorbunov et al., arXiv 2106.11257): start at the coordinate-wise median v of the
+senders' parts g_i, then repeat
+
+    v <- v + sum_i w_i (g_i - v) * min(1, tau / |g_i - v|) / sum_i w_i
+
+Here tau is not a constant to tune: at every iteration it is the (lower) median of the senders'
+distances |g_i - v| (with two senders or fewer, the plain weighted mean: tau = inf), so at least
+half of the senders are never clipped and a sender far from the others pulls v by at most tau (a
+weighted share of it). At the fixed point v*,
+
+    sum_i w_i (g_i - v*) * min(1, tau* / |g_i - v*|) = 0,    tau* = median_i |g_i - v*|,
+
+which every member can check for its own term once the others publish theirs: each member knows
+its part g_i, the average v* it received and its weight; the distances |g_i - v*| give tau*. A
+random unit vector z, drawn after the reducer sent its result from nonces the reducer does not
+control, turns each member's term into one number (`fixed_point_terms`); the terms must sum to
+about zero. A reducer that returned anything else than a fixed point is caught unless its lie is
+tiny next to tau (BTARD's random-projection check, simplified: no commitments; see
+docs/security.md for what that leaves open).
+
+Pure math on CPU tensors, no network: the reducer (allreduce.py) and the round's check
+(averaging.py) call it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+MAX_ITERATIONS = 50
+TOLERANCE = 1e-5       # stop once an iteration moves v by less than this times tau
+PROJECTIONS = 2        # random directions per part in the reducer check
+CHECK_THRESHOLD = 0.1  # |sum of terms| / sqrt(sum of squared terms) above this: the reducer lied
+# ... where the terms are at least this fraction of the average's own size: members that all hold
+# the same values (a merge round's anchors) leave terms of fp32 rounding noise, whose ratio means nothing
+CHECK_FLOOR = 1e-3
+HARD_CLIP = 0.5        # a sender scaled below this (its distance over 2 tau) was clipped hard
+WEIGHT_RATIO = 1.5     # with a robust rule, a sender's weight is capped at this times the group's median
+
+
+def tau_of(distances: list) -> float:
+    """tau at the fixed point, from the distances of the senders that took part (finite ones)."""
+    finite = [d for d in distances if d == d and d != float("inf")]
+    return lower_median(torch.tensor(finite)) if len(finite) > 2 else float("inf")
+
+
+@dataclass
+class Clipped:
+    """One part's robust average and, per sender, the factor its deviation was scaled by (1 = not clipped)."""
+
+    average: torch.Tensor
+    scales: list
+    tau: float
+    iterations: int
+
+
+def lower_median(values: torch.Tensor) -> float:
+    """The lower median (of two, the smaller), as the norm filter's (allreduce._lower_median)."""
+    return float(values.sort().values[(values.numel() - 1) // 2]) if values.numel() else 0.0
+
+
+def centered_clip(parts: torch.Tensor, weights: torch.Tensor) -> Clipped:
+    """CenteredClip of `parts` (senders x values, fp32) with `weights` (senders); senders with weight 0
+    take no part. Returns the fixed point and how hard each sender was clipped there."""
+    used = weights > 0
+    scales = [1.0] * len(weights)
+    if not bool(used.any()):
+        return Clipped(torch.zeros(parts.shape[1]), scales, 0.0, 0)
+    g, w = parts[used].float(), weights[used].float()
+    w = w / w.sum()
+    if len(g) <= 2:  # two senders: nothing tells which one is wrong; the median would pick the heavier
+        return Clipped((w[:, None] * g).sum(0), scales, float("inf"), 0)
+    v = g.median(dim=0).values
+    tau, it = 0.0, 0
+    for it in range(1, MAX_ITERATIONS + 1):
+        dist = (g - v).norm(dim=1)
+        tau = lower_median(dist)
+        factor = torch.where(dist > tau, tau / dist.clamp_min(1e-30), torch.ones_like(dist))
+        step = (w * factor)[:, None].mul(g - v).sum(0)
+        v = v + step
+        if float(step.norm()) <= TOLERANCE * max(tau, 1e-30):
+            break
+    dist = (g - v).norm(dim=1)
+    tau = lower_median(dist)
+    factor = torch.where(dist > tau, tau / dist.clamp_min(1e-30), torch.ones_like(dist))
+    for index, f in zip(used.nonzero().flatten().tolist(), factor.tolist()):
+        scales[index] = f
+    return Clipped(v, scales, tau, it)
+
+
+def directions(seed: bytes, length: int, count: int = PROJECTIONS) -> torch.Tensor:
+    """`count` random unit vectors of `length` values, the same on every member for the same seed."""
+    generator = torch.Generator().manual_seed(int.from_bytes(hashlib.blake2b(seed, digest_size=8).digest(), "big")
+                                              >> 1)
+    z = torch.randn(count, length, generator=generator)
+    return z / z.norm(dim=1, keepdim=True)
+
+
+def check_seed(group_id: str, part: int, nonces: dict, reducer: str) -> bytes:
+    """The seed of a part's check directions: the group, the part and every member's nonce but the
+    reducer's own (published after the member received its average, so the reducer cannot know them
+    when it answers, nor steer them)."""
+    others = ",".join(f"{peer}:{nonce}" for peer, nonce in sorted(nonces.items()) if peer != reducer)
+    return f"{group_id}/{part}/{others}".encode()
+
+
+def fixed_point_terms(own: torch.Tensor, average: torch.Tensor, weight: float, tau: float,
+                      z: torch.Tensor) -> list:
+    """This member's term of the fixed-point condition, projected on each direction in z:
+    w * <g - v, z> * min(1, tau / |g - v|). tau = inf checks a plain weighted mean."""
+    diff = own.float() - average.float()
+    dist = float(diff.norm())
+    factor = 1.0 if dist <= tau else tau / dist
+    return (z @ diff * (weight * factor)).tolist()
+
+
+def check_floor(average: torch.Tensor, total_weight: float) -> float:
+    """The smallest scale of a piece's terms that the check trusts: a lie of CHECK_FLOOR of the
+    average's norm would move the sum of the terms by about this much."""
+    return CHECK_FLOOR * float(average.float().norm()) * total_weight / max(1, average.numel()) ** 0.5
+
+
+def check_statistic(terms: list, floor: float = 0.0) -> float:
+    """|sum| / sqrt(sum of squares) of the members' projected terms (each a list over directions),
+    the largest over directions: ~0 at a fixed point, up to sqrt(members) for a lie. The scale is
+    at least `floor` (check_floor)."""
+    worst = 0.0
+    for values in zip(*terms):
+        values = torch.tensor(values, dtype=torch.float64)
+        scale = max(float(values.square().sum().sqrt()), floor)
+        if scale > 0:
+            worst = max(worst, abs(float(values.sum())) / scale)
+    return worst
