@@ -415,8 +415,8 @@ class RoundRunner:
             if sent is not None and verdict is not False and (not report.merged or len(sent) == 3):
                 with self.averager.get_tensors() as (buffer,):
                     check = RoundCheck(report, policy, aggregation, sent=sent, buffer=buffer,
-                                       merge_size=n if merging is not None else 0,
-                                       fp16=self.cfg.compression == "fp16", me=self.peer_id, members=list(members))
+                                       merge_size=n if merging is not None else 0, me=self.peer_id,
+                                       members=list(members))
             evidence = check.evidence(verdict is True) if check is not None else {}
             all_ok, why, records = self._agree(report.group_id, list(members), verdict, evidence, check is not None)
             if all_ok and check is not None:

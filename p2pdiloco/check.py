@@ -8,7 +8,7 @@ projected term of the fixed-point condition (second record); averaging.RoundRunn
 records through the DHT, this module does the arithmetic.
 
     >>> check = RoundCheck(report, policy, aggregation, sent=[pseudo_grad, anchor, momentum],
-    ...                    buffer=round_buffer, merge_size=n, fp16=True)
+    ...                    buffer=round_buffer, merge_size=n, me=peer_id, members=ids)
     >>> evidence = check.evidence()              # {"nonce", "dist"}: the first record
     >>> terms = check.terms(records)             # the second record, from every member's first
     >>> result = check.verdict(ids, all_terms)   # {"ok", "bad", "stat", ...}
@@ -27,11 +27,9 @@ from p2pdiloco import robust
 
 class RoundCheck:
     def __init__(self, report, policy, aggregation: str, *, sent: list, buffer: torch.Tensor, merge_size: int,
-                 fp16: bool, me: str, members: list):
+                 me: str, members: list):
         self.report, self.policy, self.aggregation = report, policy, aggregation
         self.sent, self.buffer, self.me, self.members = sent, buffer, me, members
-        # what the reducers saw of our pseudo-gradient: fp16 transport rounds it (merge rounds go in fp32)
-        self.fp16 = fp16 and not report.merged
         n = merge_size if report.merged else 0
         self.pieces: list[tuple] = []  # (offset, length, reducer, segment)
         offset = 0
@@ -56,9 +54,11 @@ class RoundCheck:
         return [w, anchor_w, anchor_w]
 
     def _own(self, offset: int, length: int, segment: int) -> torch.Tensor:
+        """What we sent, as it is. Where fp16 transport rounded it on its way to a reducer, our copy of
+        the average carries the same rounding (hivemind adds the reducer's delta, average minus our
+        rounded part, to our own values), so own - average is what the reducer saw."""
         start = offset - segment * self.n
-        values = self.sent[segment][start:start + length]
-        return values.half().float() if self.fp16 and segment == 0 else values
+        return self.sent[segment][start:start + length]
 
     def _average(self, offset: int, length: int) -> torch.Tensor:
         return self.buffer[offset:offset + length]

@@ -364,3 +364,17 @@ def test_a_lying_reducer_is_caught_in_a_merge_round_too(monkeypatch):
     for o in outcomes[:3]:
         assert o.report.merged and not o.ok and "failed the check" in o.reason, o.reason
         assert o.check["bad"] == [liar] and o.check["merged"], o.check
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "centered_clip"])
+def test_the_check_passes_members_that_sent_nearly_the_same(aggregation):
+    """Two members whose pseudo-gradients differ by 1e-3 of their size: a reducer took its own part
+    unrounded and the other's through fp16, and the check must count them the same way (it once
+    failed an honest reducer here)."""
+    with peers(2, aggregation=aggregation) as (cfg, runners):
+        base = torch.randn(N) * 10
+        grads = [base + 1e-2 * torch.randn(N) for _ in runners]
+        outcomes = [f.result(timeout=60) for f in [r.start(g, weight=w, gather={})
+                                                    for r, g, w in zip(runners, grads, (1.0, 1.3))]]
+    for o in outcomes:
+        assert o.ok and o.check["ok"] and o.check["stat"] < robust.CHECK_THRESHOLD / 10, (o.reason, o.check)
