@@ -58,10 +58,10 @@ def test_a_sign_flipper_and_a_lying_reducer_are_clipped_caught_and_banned(tmp_pa
         # x: clipped hard, or excluded in the rounds where -5x its norm passed 10x the group's median
         assert reasons[ids["x"]] in ("clipped hard", "excluded") and "failed the check" in reasons[ids["y"]], reasons
         assert set(reasons) == {ids["x"], ids["y"]}, "no honest peer is banned"
-        # an honest peer far from the others is clipped hard now and then (a late joiner's first rounds),
-        # x in nearly every round
-        clipped = Counter(r["sender"] for r in swarm.events(n, "bad_contribution") if r["reason"].startswith("clipped"))
-        assert clipped[ids["x"]] >= 3 and clipped.most_common(1)[0][0] == ids["x"], clipped
+        # x is clipped hard, or excluded once -5x its norm passes 10x the group's median, in nearly every
+        # round; an honest peer far from the others is clipped hard now and then (a late joiner's first rounds)
+        bad = Counter(r["sender"] for r in swarm.events(n, "bad_contribution"))
+        assert bad[ids["x"]] >= 3 and bad.most_common(1)[0][0] == ids["x"], bad
         checks = swarm.events(n, "reducer_check")
         assert all(c["bad"] == [ids["y"]] for c in checks if not c["ok"] and c["bad"]), checks
         # every round y was in failed the check: none of them was applied
@@ -70,3 +70,6 @@ def test_a_sign_flipper_and_a_lying_reducer_are_clipped_caught_and_banned(tmp_pa
         outer = swarm.events(n, "outer")
         assert all(math.isfinite(r["eval_loss"]) for r in outer if r["eval_loss"] is not None)
         assert outer[-1]["eval_loss"] < math.log(256) - 1.0, outer[-1]
+    # the robust rule (not only the 10x norm filter) met x: some honest reducer clipped it
+    assert any(r["sender"] == ids["x"] and r["reason"].startswith("clipped")
+               for n in "abc" for r in swarm.events(n, "bad_contribution"))
