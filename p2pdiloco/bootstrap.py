@@ -28,7 +28,7 @@ import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2pdiloco.secret import SecretValidator
-from p2pdiloco.swarm import SwarmError, is_loopback
+from p2pdiloco.swarm import LEGACY_DHT, SwarmError, is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -233,6 +233,11 @@ def _launch(cfg, initial_peers: list[str], stop_event: threading.Event) -> hivem
         nat_port_map=not local_only,
         auto_nat=not local_only,
     )
+    if "cache" not in LEGACY_DHT:
+        # hivemind caches every value a node fetches, refreshes it before it expires, and puts it in its
+        # replies to every search that passes by: the progress records (a dict of N entries every peer
+        # reads) then rode along with every store's search, ~N^2 bytes per peer per minute (docs/scale.md)
+        kwargs.update(cache_locally=False, cache_nearest=0, cache_refresh_before_expiry=0)
     validators = [SecretValidator(cfg.run_secret, cfg.run_id)] if cfg.run_secret else []
     dht = hivemind.DHT(start=True, await_ready=False, record_validators=validators, **kwargs)
     # hivemind bounds each stage (the identity check, p2pd, the pings, the first lookup); this bounds them all

@@ -126,6 +126,9 @@ class Config:
                               "time (one period of inner_steps at the group's median speed later) and enters "
                               "matchmaking then; peers out of phase take the swarm's phase from the progress "
                               "records (p2pdiloco/schedule.py).")
+    grid: bool = _f(True, "With the schedule, past target_group_size live peers: groups are the lines of a "
+                          "rotating grid (Moshpit SGD), so that every peer's work reaches every anchor within "
+                          "ceil(log_g N) rounds (p2pdiloco/grid.py); off: whoever is ready in the window meets.")
     matchmaking_lead: bool = _f(False, "With full_groups: enter matchmaking ahead of the inner_steps-th step, by the "
                                        "mean wait for the group's last member (more outer steps per token). "
                                        "Measured worse: groups split more often (docs/benchmarks.md).")
@@ -332,6 +335,8 @@ class Config:
             shared.update(compression=self.compression, outer_apply=self.outer_apply)
         if self.aggregation != "centered_clip" or not self.check_reducers:  # every reducer must use the same rule
             shared.update(aggregation=self.aggregation, check_reducers=self.check_reducers)
+        if not self.grid:  # past one group, peers with and without the grid look for groups under other keys
+            shared.update(grid=False)
         if not self.merge_anchors:  # the averaged buffer has another shape: such peers cannot meet
             shared.update(merge_anchors=False)
         if self._init_sha:  # pretrained weights: every founder starts from the same ones

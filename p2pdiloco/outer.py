@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from p2pdiloco import diloco, schedule, state, swarm
+from p2pdiloco import diloco, grid, schedule, state, swarm
 from p2pdiloco.averaging import RoundOutcome, contribution_weight
 from p2pdiloco.model import flat_params, load_flat_
 
@@ -110,6 +110,8 @@ class PendingRound:
     formed_at_step: Optional[int] = None  # our inner step when the group formed (set from the round's thread)
     formed_at: Optional[float] = None     # time.monotonic() then
     own_share: float = 1.0  # the eager preview's weight on our own pseudo-gradient (diloco.preview_outer_step)
+    grid: Optional[tuple] = None  # (round, dims, coords) whose line we entered (grid.py), with a schedule
+    late: Optional[float] = None  # seconds after the scheduled due time that we entered (the phase error)
 
 
 def _param_slices(model: torch.nn.Module, flat: torch.Tensor):
@@ -124,6 +126,8 @@ class SwarmRounds:
     """The round half of Peer: _start_round / _finish_round and what they need."""
 
     clock: Optional[schedule.Clock] = None  # rounds on a schedule (the Peer sets it when it starts training)
+    grid_coords: Optional[list] = None  # our cell of the grid (grid.py), once a group re-indexed us
+    group_bits: str = ""  # the averager's group key bits (hivemind's bucket): our line of the grid
     _attack_prev: Optional[torch.Tensor] = None  # SENDER_ATTACK: the last group average this peer received
 
     def _install(self, loaded: state.OuterState, *, keep_local: bool, tokens_kept: int = 0) -> None:
@@ -164,6 +168,44 @@ class SwarmRounds:
                 self.pending = self._start_round()  # same pseudo-gradient: we have not trained since
         return False
 
+    def _full_group(self) -> int:
+        """How many members a full group holds: every live peer up to target_group_size, or with a grid
+        a whole line of it (grid.side: about N**(1/dims))."""
+        if self.clock is not None and self.cfg.grid and self.clock.dims > 1:
+            return grid.side(self.swarm_size, self.clock.dims, self.cfg.target_group_size)
+        return min(self.cfg.target_group_size, self.swarm_size)
+
+    def _enter_line(self) -> Optional[tuple]:
+        """With a grid (a swarm beyond one group): point the averager at this round's line of the grid
+        (grid.py); the group key is unchanged while the swarm fits in one group. (round, dims, coords)."""
+        if not self.cfg.grid:
+            return None
+        size, dims = self.cfg.target_group_size, self.clock.dims
+        self.grid_coords = coords = grid.fit(self.grid_coords or [], dims, size, self.peer_id)
+        bits = grid.key_bits(coords, round_=self.clock.round, dims=dims, size=size)
+        if bits != self.group_bits:
+            self.averager.set_group_bits(bits, wait=False)
+            self.group_bits = bits
+        return self.clock.round, dims, coords
+
+    def _settle_cell(self, records: dict) -> None:
+        """Move off a cell that another peer holds, or that lies outside the part of the grid the live
+        peers fill (grid.settle), by the cells in the records of peers at our round."""
+        size, dims = self.cfg.target_group_size, self.clock.dims
+        cells = grid.cells_of(records, me=self.peer_id, round_=self.clock.round, dims=dims, size=size)
+        coords = grid.fit(self.grid_coords or [], dims, size, self.peer_id)
+        self.grid_coords = grid.settle(self.peer_id, coords, cells, live=self.swarm_size, dims=dims, size=size,
+                                       salt=self.clock.round)
+
+    def _leave_line(self, pending: PendingRound, members: list[str]) -> None:
+        """A group formed on our line: our coordinate along its free dimension becomes our index in
+        it (Moshpit's re-indexing), so the next lines each hold one member of this one."""
+        if pending.grid is None or self.peer_id not in members:
+            return
+        round_, dims, coords = pending.grid
+        index = min(members.index(self.peer_id), self.cfg.target_group_size - 1)
+        self.grid_coords = grid.regroup(coords, round_=round_, dims=dims, index=index)
+
     def _check_swarm_outer_step(self) -> None:
         """Blocking read of the swarm's outer step (after a freeze, before the next contribution)."""
         try:
@@ -176,9 +218,13 @@ class SwarmRounds:
     def _note_progress(self, records: dict) -> None:
         self.swarm_outer_step = max([self.outer_step, *(r.get("outer_step", 0) for r in records.values())])
         self.swarm_size = len(set(records) | {self.peer_id})  # live peers: records expire
+        if self.clock is not None:
+            self.clock.observe(records)
         if self.clock is not None and not self.clock.in_phase and self.clock.adopt(records, now=time.time()):
             logger.info(f"rounds: took the swarm's phase (next round in {self.clock.due - time.time():.1f}s, "
                         f"every {self.clock.period:.1f}s)")
+        if self.clock is not None and self.cfg.grid and self.clock.dims > 1:
+            self._settle_cell(records)
         if self.cfg.dynamic_inner_steps and not self.cfg.sync_rounds:
             speeds = {peer: r.get("tokens_per_s") for peer, r in records.items()}
             self.due_steps = diloco.dynamic_inner_steps(self.cfg.inner_steps, speeds.get(self.peer_id),
@@ -233,13 +279,16 @@ class SwarmRounds:
             weight = 0.0
         gather = {"peer": self.peer_id, "outer_step": self.outer_step, "tokens": self.tokens_since_anchor,
                   "digest": digest, "swarm": self.swarm_size, "waited": self.last_wait_s}
+        line = late = None
         if self.clock is not None:  # our due time and speed: the group derives its next due time from them
-            gather.update(self.clock.announce(now=time.time(), inner_step=self.inner_step))
-        if cfg.full_groups:  # everyone live is expected: the group forms once they are all in
-            live = min(cfg.target_group_size, self.swarm_size)
+            line = self._enter_line()
+            gather.update(self.clock.announce(now=time.time(), inner_step=self.inner_step, swarm_size=self.swarm_size))
+            late = time.time() - gather["due"]
+        if cfg.full_groups:  # everyone live (or our whole line) is expected: the group forms once they are all in
+            live = self._full_group()
             self.averager.set_target_group_size(live if live >= max(2, cfg.min_group_size) else cfg.target_group_size)
         # eager_mix: our pseudo-gradient is about 1/N of the group's average, the others' come from momentum
-        own_share = 1.0 / max(1, min(cfg.target_group_size, self.swarm_size)) if cfg.eager_mix else 1.0
+        own_share = 1.0 / max(1, self._full_group()) if cfg.eager_mix else 1.0
         if self.eager:  # train the round in flight from where the anchor will about be (arXiv 2502.12996)
             with torch.no_grad():
                 for param, part in _param_slices(self.model, delta):
@@ -253,7 +302,8 @@ class SwarmRounds:
             self.metrics.log("allreduce_started", outer_step=outer_step)
 
         pending = PendingRound(None, delta, self.eager, self.tokens_since_anchor, weight, age,
-                               start_step=self.inner_step, started_at=time.monotonic(), own_share=own_share)
+                               start_step=self.inner_step, started_at=time.monotonic(), own_share=own_share,
+                               grid=line, late=late)
         pending.future = self.rounds.start(sent, weight=weight, gather=gather, anchor=anchor, momentum=momentum,
                                            on_allreduce=formed)
         return pending
@@ -271,8 +321,10 @@ class SwarmRounds:
         tokens, weight, age = pending.tokens, pending.weight, pending.age
         if self.clock is not None:  # every member of a formed group leaves it with the same next due time
             if outcome.members:
-                self.clock.after_round(list(outcome.members.values()),
-                                       full=len(outcome.members) >= self.swarm_size)
+                self._leave_line(pending, sorted(outcome.members))
+                # with a grid, a whole line says nothing of the other lines' phase: look at the swarm's each time
+                whole = len(outcome.members) >= self._full_group() and self.clock.dims <= 1
+                self.clock.after_round(list(outcome.members.values()), full=whole)
             else:
                 self.clock.after_no_group()
         # bad_contribution and reducer_check events; a peer that keeps attacking is banned (suspects.py)
@@ -281,7 +333,8 @@ class SwarmRounds:
             self._undo_preview(pending)
             self._count_from_formation(pending)
             self.metrics.log("round_failed", reason=outcome.reason, outer_step=self.outer_step,
-                             round_s=outcome.round_s)
+                             round_s=outcome.round_s, grid=list(pending.grid) if pending.grid else None,
+                             late=pending.late)
             self.rounds_failed += 1
             logger.info(f"round discarded: {outcome.reason}")
             return False
@@ -340,7 +393,9 @@ class SwarmRounds:
                          tokens=tokens, staleness=age, round_s=outcome.round_s, bytes_sent=report.bytes_sent,
                          bytes_recv=report.bytes_recv, anchor_spread=spread, eval_loss=eval_loss,
                          eval_bpb=self.bits_per_byte(eval_loss), diverged_members=diverged, merged=merged,
-                         swarm_size=self.swarm_size,
+                         swarm_size=self.swarm_size, members=[m[-6:] for m in sorted(outcome.members)],
+                         grid=list(pending.grid) if pending.grid else None,  # [round, dims, our cell]
+                         late=pending.late,
                          lead_steps=self.lead_steps,
                          digest=diloco.anchor_digest(self.anchor, self.digest_idx))
         if self.outer_step % self.cfg.checkpoint_every == 0:

@@ -429,7 +429,8 @@ class Peer(SwarmRounds):
         self.lead_steps, self.lead_s, self.last_wait_s = 0, 0.0, None  # matchmaking_lead (outer.py)
         if self.cfg.schedule and not self.cfg.sync_rounds:
             self.clock = schedule.Clock(inner_steps=self.cfg.inner_steps, now=time.time(), inner_step=self.inner_step,
-                                        window=self.cfg.matchmaking_time)
+                                        window=self.cfg.matchmaking_time,
+                                        group_size=self.cfg.target_group_size if self.cfg.grid else 0)
             if self.cfg.initial_peers and self.leader:  # a joiner enters the swarm's phase at its first round
                 self._check_swarm_outer_step()
         # eager outer updates need training while a round runs (not synchronous DiLoCo)
@@ -437,6 +438,7 @@ class Peer(SwarmRounds):
         self._progress_reading = None
         self.pending: Optional[PendingRound] = None
         self.t_start = self._last_log = self._last_step = time.monotonic()
+        self._published_at = -math.inf  # our last progress record
         self.compute_s = 0.0  # inside forward, backward and the optimizer step: the utilization numerator
         self.data_s = 0.0  # waiting for the next batch
         self._loss_sum, self._loss_n, self._tokens_at_log = 0.0, 0, 0
@@ -592,7 +594,11 @@ class Peer(SwarmRounds):
         if self.claims is not None:
             self.claims.renew()
             self.shard_source.announce()
-        swarm.publish_progress(self.dht, self.cfg, self._progress_record(tokens_per_s))
+        # our record as often as we read the others' (spaced out in a big swarm): the bytes per peer stay flat
+        every = swarm.progress_read_every(self.cfg, self.swarm_size)
+        if time.monotonic() - self._published_at >= 0.9 * every or "stores" in swarm.LEGACY_DHT:
+            swarm.publish_progress(self.dht, self.cfg, self._progress_record(tokens_per_s), every=every)
+            self._published_at = time.monotonic()
         self._refresh_swarm_outer_step()
 
     def _progress_record(self, tokens_per_s: float) -> dict:
@@ -605,7 +611,8 @@ class Peer(SwarmRounds):
                 **({"data": self.claims.position()} if self.claims is not None else {}),
                 **({"banned": self.suspects.record()} if getattr(self, "suspects", None) and self.suspects.banned()
                    else {}),
-                **(self.clock.record() if self.clock else {})}
+                **(self.clock.record() if self.clock else {}),
+                **({"cell": self.grid_coords} if self.grid_coords is not None else {})}
 
     def bits_per_byte(self, loss: Optional[float]) -> Optional[float]:
         """A held-out loss in bits per byte of text (None without our own data)."""

@@ -42,6 +42,8 @@ import math
 import statistics
 from typing import Optional
 
+from p2pdiloco import grid
+
 PHASE_TOLERANCE = 0.1  # due times closer than this share of the period are one phase ...
 # ... and closer than this share of the matchmaking window: peers further apart than that enter too far
 # apart to meet in one window. Paced peers (a period of 65 s, docs/benchmarks.md) were 3.5 s out of
@@ -51,6 +53,10 @@ WINDOW_TOLERANCE = 0.25
 
 def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _integer(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**62
 
 
 def agreed(members: list[dict], *, inner_steps: int) -> Optional[tuple[float, float]]:
@@ -71,26 +77,35 @@ def swarm_phase(records: dict, *, now: float, tolerance: float = PHASE_TOLERANCE
     due time is carried forward by whole periods to the first one after now (records are up to a
     log interval old); two peers hold the same phase when those times are within tolerance x period
     (and max_gap seconds) of each other, on the circle of one period."""
+    found = _phase(records, now=now, tolerance=tolerance, max_gap=max_gap)
+    return None if found is None else found[:2]
+
+
+def _phase(records: dict, *, now: float, tolerance: float, max_gap: float):
+    """swarm_phase's (due, period), with the round number and grid dimensions of the record chosen
+    (its round carried forward by the same whole periods as its due time)."""
     phases = []
     for peer, record in sorted(records.items()):
         due, period = record.get("due"), record.get("period")
         if not (_number(due) and _number(period) and period > 0):
             continue
-        phases.append((peer, due + max(0, math.ceil((now - due) / period)) * period, period))
+        ahead = max(0, math.ceil((now - due) / period))
+        round_, dims = record.get("round"), record.get("dims")
+        round_ = round_ + ahead if _integer(round_) else None
+        phases.append((peer, due + ahead * period, period, round_, dims if _integer(dims) and dims >= 1 else None))
     if not phases:
         return None
 
     def holders(phase) -> int:
-        _, due, period = phase
+        _, due, period, _, _ = phase
         count = 0
-        for _, other, _ in phases:
+        for _, other, _, _, _ in phases:
             gap = (other - due) % period
             count += min(gap, period - gap) <= min(tolerance * period, max_gap)
         return count
 
     # most holders; on a tie, the smallest peer id (phases are sorted by peer id, max keeps the first)
-    _, due, period = max(phases, key=holders)
-    return due, period
+    return max(phases, key=holders)[1:]
 
 
 class Clock:
@@ -102,8 +117,14 @@ class Clock:
     peer may be out of it (`in_phase` False). Before the first formed group there is no schedule.
     """
 
-    def __init__(self, *, inner_steps: int, now: float, inner_step: int, window: float = math.inf):
+    def __init__(self, *, inner_steps: int, now: float, inner_step: int, window: float = math.inf,
+                 group_size: int = 0):
         self.inner_steps = inner_steps  # H: a peer of the group's median speed contributes this many steps
+        self.group_size = group_size    # > 1: past this many live peers, groups are lines of a grid (grid.py)
+        self.round = 0                  # the swarm's round number: which dimension of the grid groups peers
+        self.swarm_period: Optional[float] = None  # inner_steps at the swarm's median speed (progress records)
+        self.last_speed: Optional[float] = None    # our speed at our last entry, for our progress record
+        self.dims = 1                   # the grid's dimensions, agreed like the due time
         self.max_gap = WINDOW_TOLERANCE * window  # seconds: entries further apart than this may not meet
         self.due: Optional[float] = None      # wall-clock time of our next entry
         self.period: Optional[float] = None   # seconds between the swarm's rounds
@@ -121,6 +142,7 @@ class Clock:
         missed = round((now - self.due) / self.period) if self.period else 0
         if missed >= 1:  # late by over half a period (a round that ran long, a freeze): the nearest due, no burst
             self.due += missed * self.period
+            self.round += missed
         speed = self.speed(now=now, inner_step=inner_step)
         return now >= self.due - (0.5 / speed if speed else 0.0)
 
@@ -129,11 +151,14 @@ class Clock:
         t0, step0 = self._entered
         return (inner_step - step0) / (now - t0) if inner_step > step0 and now > t0 else None
 
-    def announce(self, *, now: float, inner_step: int) -> dict:
-        """What our round's gather carries: the due time we entered for (now, without a schedule)
-        and our speed since our last entry. Marks this entry."""
+    def announce(self, *, now: float, inner_step: int, swarm_size: int = 1) -> dict:
+        """What our round's gather carries: the due time we entered for (now, without a schedule),
+        our speed since our last entry, the round number and the grid's dimensions we propose for
+        the swarm we see. Marks this entry."""
         speed = self.speed(now=now, inner_step=inner_step)
-        fields = {"due": self.due if self.due is not None else now, "speed": speed}
+        self.last_speed = speed if speed is not None else self.last_speed
+        fields = {"due": self.due if self.due is not None else now, "speed": speed, "round": self.round,
+                  "dims": grid.dims_for(swarm_size, self.group_size)}
         self._entered = (now, inner_step)
         return fields
 
@@ -141,30 +166,52 @@ class Clock:
         """A group formed (applied or not): the next due time every member computes alike. A group
         that did not hold every live peer may have left some out of phase: check the swarm's."""
         schedule = agreed(members, inner_steps=self.inner_steps)
+        proposed = [m["dims"] for m in members if _integer(m.get("dims")) and 1 <= m["dims"] <= grid.MAX_DIMS]
+        self.dims = statistics.median_low(proposed) if proposed else self.dims  # one odd member cannot move it
         if schedule is not None:
             self.due, self.period = schedule
+            if self.dims > 1 and self.swarm_period is not None:
+                # lines of a grid each hold a few peers: a period from each line's own speeds would set every
+                # line on a clock of its own, and the lines would drift apart. The swarm's median speed (the
+                # progress records) gives every line about the same period.
+                self.due, self.period = self.due - self.period + self.swarm_period, self.swarm_period
+        # the highest round number: a member that missed rounds catches up (it only picks the grid's dimension)
+        rounds = [m["round"] for m in members if _integer(m.get("round"))]
+        self.round = max(rounds) + 1 if rounds else self.round + 1
         self.in_phase = full and schedule is not None
 
     def after_no_group(self) -> None:
         """Nobody met us: keep our own clock for now, and look at the swarm's phase."""
         if self.due is not None and self.period is not None:
             self.due += self.period
+        self.round += 1
         self.in_phase = False
+
+    def observe(self, records: dict) -> None:
+        """The swarm's period from its progress records: inner_steps at the median of the live peers' speeds."""
+        speeds = [r["speed"] for r in records.values() if _number(r.get("speed")) and r["speed"] > 0]
+        if len(speeds) >= 2:
+            self.swarm_period = self.inner_steps / statistics.median(speeds)
 
     def adopt(self, records: dict, *, now: float) -> bool:
         """Take the phase that most live peers hold (their progress records); True if ours moved."""
-        phase = swarm_phase(records, now=now, max_gap=self.max_gap)
+        phase = _phase(records, now=now, tolerance=PHASE_TOLERANCE, max_gap=self.max_gap)
         if phase is None:
             return False
-        due, period = phase
+        due, period, round_, dims = phase
         self.in_phase = True
+        self.dims = dims or self.dims  # the grid's position too: its shape, and the round number below
         if self.due is not None and self.period is not None:
             gap = (due - self.due) % period
-            if min(gap, period - gap) <= min(PHASE_TOLERANCE * period, self.max_gap):
-                return False  # already in it
+            if min(gap, period - gap) <= min(PHASE_TOLERANCE * period, self.max_gap):  # already in it
+                if round_ is not None:  # numbered as the phase's holders number it (its due may be periods away)
+                    self.round = round_ - round((due - self.due) / period)
+                return False
         self.due, self.period = due, period
+        self.round = round_ if round_ is not None else self.round
         return True
 
     def record(self) -> dict:
         """Our next due time and period, for the progress record (others adopt the phase from it)."""
-        return {"due": self.due, "period": self.period}
+        return {"due": self.due, "period": self.period, "round": self.round, "dims": self.dims,
+                "speed": self.last_speed}

@@ -139,9 +139,15 @@ def member_key(cfg) -> str:
     return f"{cfg.dht_prefix}_members"
 
 
-def publish_progress(dht: hivemind.DHT, cfg, record: dict) -> None:
-    """Fire-and-forget: this peer's latest progress, expiring so that dead peers drop out."""
-    ttl = max(15.0, 3 * cfg.log_interval)
+# Benchmark-only (scale.py swarm --legacy-dht): put back hivemind's DHT cache ("cache") or a progress
+# store every log interval whatever the swarm's size ("stores"), to measure what each change saved
+LEGACY_DHT = set(filter(None, os.environ.get("P2PDILOCO_LEGACY_DHT", "").split(",")))
+
+
+def publish_progress(dht: hivemind.DHT, cfg, record: dict, every: Optional[float] = None) -> None:
+    """Fire-and-forget: this peer's latest progress, expiring so that dead peers drop out (after
+    three times `every`, the seconds between our stores, and at least 15 s)."""
+    ttl = max(15.0, 3 * (every or cfg.log_interval))
     dht.store(f"{cfg.dht_prefix}_progress", subkey=str(dht.peer_id), value=record,
               expiration_time=get_dht_time() + ttl, return_future=True)
 
@@ -150,10 +156,11 @@ PROGRESS_READ_PEERS = 8  # up to this many peers, each reads the progress record
 
 
 def progress_read_every(cfg, swarm_size: int) -> float:
-    """Seconds between a peer's reads of the progress records. A read returns all N records, so N
-    peers reading every log interval cost each of them O(N) bytes per interval (docs/scale.md,
-    swarm size): past PROGRESS_READ_PEERS peers, reads are spaced out in proportion, which keeps
-    the bytes per peer flat, up to one read a minute."""
+    """Seconds between a peer's reads of the progress records, and between its stores of its own. A
+    read returns all N records, and a store's search asks up to 20 peers, so N peers reading and
+    storing every log interval cost each of them O(N) bytes per interval (docs/scale.md, swarm
+    size): past PROGRESS_READ_PEERS peers, both are spaced out in proportion, which keeps the bytes
+    per peer flat, up to once a minute."""
     return min(60.0, cfg.log_interval * max(1.0, swarm_size / PROGRESS_READ_PEERS))
 
 

@@ -84,6 +84,9 @@ SIZES = {
                   pace=3.0, sweep_grid=((0.5, 0.9),), byzantine_peers=3, byzantine_steps=20, byzantine_inner_steps=10,
                   byzantine_runs=(("clean", "mean"), ("clean", "centered_clip"), ("signflip:5", "mean"),
                                   ("signflip:5", "centered_clip"), ("lie:4", "centered_clip"))),
+    # issue 21: 8 peers on the same 2 cores; half the default steps per peer, so the swarm's tokens are the default
+    # size's x 1 (4 x 1500 = 8 x 750), 15 outer steps at H=50
+    "eight": Size(peers=8, steps=750, duration=150.0, eval_batches=16, parallel=1, inner_steps=50),
     # 120 outer steps of synchronous DiLoCo at H=50: long enough that DiLoCo's outer loop, not the budget, decides
     "long": Size(peers=4, steps=6000, duration=600.0, eval_batches=16, parallel=1, inner_steps=50),
 }
@@ -867,7 +870,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("comparison", nargs="+", choices=[*COMPARISONS, *STUDIES, "all", "gpu", "_bare"])
     parser.add_argument("--quick", action="store_true", help="tiny size for the tests (numbers mean nothing)")
-    parser.add_argument("--size", choices=sorted(SIZES), default="", help="default, long or quick (= --quick)")
+    parser.add_argument("--size", choices=sorted(SIZES), default="",
+                        help="default, eight (8 peers), long or quick (= --quick)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"ablation: comma-separated variants of {', '.join(VARIANTS)}")
     parser.add_argument("--no-baselines", dest="baselines", action="store_false",

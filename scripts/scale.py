@@ -50,9 +50,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from procmem import Every, peer_roles, sample  # noqa: E402
 
+from p2pdiloco import grid  # noqa: E402
 from p2pdiloco.config import Config  # noqa: E402
 from p2pdiloco.data.manifest import copy_manifest  # noqa: E402
 from p2pdiloco.localswarm import LocalSwarm  # noqa: E402
+from p2pdiloco.metrics import read_metrics  # noqa: E402
 from p2pdiloco.model import build_model, num_params  # noqa: E402
 
 SIZES = {
@@ -252,18 +254,26 @@ def _io_bytes(pid: int) -> int:
         return 0
 
 
-def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, data: str = "") -> dict:
+def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, data: str = "",
+              target_group: int = 0, use_grid: bool = True, legacy_dht: str = "", total_steps: int = 0,
+              steps: int = 0) -> dict:
     """`size` tiny peers start together through a bootstrap node, paced by --slowdown so that 16 fit
-    on 2 cores, and train for `duration` s. Per peer: group sizes, applied rounds per minute,
-    round time, failed rounds, and the bytes its DHT process moved (through its p2pd socket and
-    its pipes to the trainer and averager) per applied round."""
+    on 2 cores, and train for `duration` s. Per peer: group sizes, the share of rounds that held
+    every live peer (or, with a grid, a whole line of it), inner steps per contribution, applied
+    rounds per minute, round time, failed rounds, the spread of the anchors of all live peers, and
+    the bytes its DHT process moved (through its p2pd socket and its pipes to the trainer and
+    averager) per applied round and per minute."""
     preset, flags = SIZES["tiny"]
+    target = target_group or int(Config.from_sources(preset).target_group_size)
     flags = [*flags, "--slowdown", str(slowdown), "--wait-for-peers", str(size), "--max-time", str(duration),
-             "--run-id", f"scale-swarm-{size}", "--bootstrap-timeout", "120"]
+             "--run-id", f"scale-swarm-{size}", "--bootstrap-timeout", "120", "--target-group-size", str(target),
+             "--grid" if use_grid else "--no-grid", *(["--total-steps", str(total_steps)] if total_steps else []),
+             *(["--max-inner-steps", str(steps)] if steps else [])]
     if data:
         flags = [*flags, "--data", data]
     names = [f"p{i:02d}" for i in range(size)]
-    with LocalSwarm(workdir, config=preset, extra_args=flags) as swarm:
+    env = {"P2PDILOCO_LEGACY_DHT": legacy_dht} if legacy_dht else None
+    with LocalSwarm(workdir, config=preset, extra_args=flags, env=env) as swarm:
         swarm.start_bootstrap()
         boot = swarm.maddr("boot")
         for name in names:
@@ -289,34 +299,130 @@ def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, dat
         outer = {n: swarm.events(n, "outer") for n in names}
         failed = {n: swarm.events(n, "round_failed") for n in names}
         finals = {n: (swarm.events(n, "final") or [{}])[0] for n in names}
-    groups = [r["group_size"] for rs in outer.values() for r in rs]
-    round_s = sorted(r["round_s"] for rs in outer.values() for r in rs)
-    wall = statistics.median(f.get("wall_s", duration) for f in finals.values())
-    per_min = [len(outer[n]) / (wall / 60) for n in names]
     dht = [(last[n][0] - first[n][0]) / (last[n][1] - first[n][1]) for n in names
            if n in last and last[n][1] > first[n][1]]
     dht_min = [(last[n][0] - first[n][0]) / ((last[n][2] - first[n][2]) / 60) for n in names
                if n in last and last[n][2] > first[n][2]]
     return {"peers": size, "slowdown": slowdown, "duration_s": duration, "start_s": t_trained - t0,
-            "group_size_mean": statistics.mean(groups) if groups else None,
-            "group_size_median": statistics.median(groups) if groups else None,
-            "group_size_max": max(groups, default=None),
-            "rounds_per_min_median": statistics.median(per_min), "rounds_per_min_min": min(per_min),
-            "round_s_median": statistics.median(round_s) if round_s else None,
-            "round_s_p90": round_s[int(0.9 * (len(round_s) - 1))] if round_s else None,
-            "failed_rounds": sum(len(f) for f in failed.values()),
-            "applied_rounds": sum(len(o) for o in outer.values()),
+            "target_group_size": target, "grid": use_grid, "legacy_dht": legacy_dht, "steps": steps,
+            **swarm_stats(outer, failed, finals, size=size, target=target, duration=duration),
             "dht_kb_per_peer_round": statistics.median(dht) / 1e3 if dht else None,
             "dht_kb_per_peer_min": statistics.median(dht_min) / 1e3 if dht_min else None, "exit_codes": exit_codes}
 
 
-def print_swarm(results: list[dict]) -> None:
-    print(f"{'peers':>5} {'group mean':>10} {'max':>4} {'rounds/min':>10} {'min':>5} {'round s':>8} {'p90':>6} "
-          f"{'failed':>6} {'applied':>7} {'DHT kB/peer/round':>18} {'/min':>7} {'start s':>8}")
+SETTLED_S = 60.0  # rounds this long after the swarm's first one count as settled (no schedule before it)
+
+
+def swarm_stats(outer: dict, failed: dict, finals: dict, *, size: int, target: int, duration: float) -> dict:
+    """What the peers' metrics files say of a swarm run (peer -> its outer / round_failed events and
+    its final event): groups, rounds, contributions, the anchors' spread, final eval losses."""
+    preset, flags = SIZES["tiny"]
+    inner_steps = int(flags[flags.index("--inner-steps") + 1])
+    base = Config.from_sources(preset)
+    tokens_per_step = base.batch_size * base.block_size
+    names = list(outer)
+    groups = [r["group_size"] for rs in outer.values() for r in rs]
+    round_s = sorted(r["round_s"] for rs in outer.values() for r in rs)
+    wall = statistics.median(f.get("wall_s", duration) for f in finals.values())
+    per_min = [len(outer[n]) / (wall / 60) for n in names]
+    steps = sorted(r["tokens"] / tokens_per_step for rs in outer.values() for r in rs if r.get("tokens"))
+    # a group that holds every live peer, or with a grid (more peers than the target) a whole line of it
+    line = size if size <= target else grid.side(size, grid.dims_for(size, target), target)
+    evals = [f["eval_loss"] for f in finals.values() if isinstance(f.get("eval_loss"), (int, float))]
+    spread = anchor_spread(outer, every=5.0)
+    t_first = min((r["time"] for rs in outer.values() for r in rs), default=0.0)
+    settled = [r["group_size"] for rs in outer.values() for r in rs if r["time"] >= t_first + SETTLED_S]
+    entries = sum(len(o) for o in outer.values()) + sum(len(f) for f in failed.values())
+    alone = sum("no group" in r.get("reason", "") for fs in failed.values() for r in fs)
+    return {
+        "final_eval_mean": statistics.mean(evals) if evals else None,
+        "final_eval_min": min(evals, default=None), "final_eval_max": max(evals, default=None),
+        "full_share": sum(g >= line for g in groups) / len(groups) if groups else None,
+        "full_share_settled": sum(g >= line for g in settled) / len(settled) if settled else None,
+        "alone_share": alone / entries if entries else None,
+        "steps_median": statistics.median(steps) if steps else None,
+        "steps_within_10pct": (sum(abs(x - inner_steps) <= 0.1 * inner_steps for x in steps) / len(steps)
+                               if steps else None),
+        "spread_median": statistics.median(v for _, v in spread) if spread else None,
+        "spread_first_half": _half(spread, 0), "spread_second_half": _half(spread, 1),
+        "spread_series": spread,
+        # distinct peers each peer averaged with (a grid mixes: more than one line's worth)
+        "partners_min": min((len({m for r in outer[n] for m in r.get("members") or []} - {n_id(outer[n])})
+                             for n in names), default=0),
+        "group_size_mean": statistics.mean(groups) if groups else None,
+        "group_size_median": statistics.median(groups) if groups else None,
+        "group_size_max": max(groups, default=None),
+        "rounds_per_min_median": statistics.median(per_min), "rounds_per_min_min": min(per_min),
+        "round_s_median": statistics.median(round_s) if round_s else None,
+        "round_s_p90": round_s[int(0.9 * (len(round_s) - 1))] if round_s else None,
+        "failed_rounds": sum(len(f) for f in failed.values()),
+        "applied_rounds": sum(len(o) for o in outer.values()),
+    }
+
+
+def rescore_swarm(out: Path) -> list[dict]:
+    """The stats of the swarm runs in `out` again, from the peers' metrics files (the DHT bytes, read
+    from /proc while the runs ran, are kept from result.json)."""
+    results = json.loads((out / "result.json").read_text())
     for r in results:
-        print(f"{r['peers']:>5} {_num(r['group_size_mean'], 1):>10} {_num(r['group_size_max'], 0):>4} "
+        workdir = out / f"swarm-{r['peers']}"
+        runs = {p.name: read_metrics(p / "metrics.jsonl") for p in sorted(workdir.glob("p*")) if p.is_dir()}
+        outer = {n: [e for e in rs if e["event"] == "outer"] for n, rs in runs.items()}
+        failed = {n: [e for e in rs if e["event"] == "round_failed"] for n, rs in runs.items()}
+        finals = {n: ([e for e in rs if e["event"] == "final"] or [{}])[0] for n, rs in runs.items()}
+        r.update(swarm_stats(outer, failed, finals, size=r["peers"],
+                             target=r.get("target_group_size") or max(8, r["peers"]), duration=r["duration_s"]))
+    return results
+
+
+def anchor_spread(outer: dict[str, list[dict]], every: float) -> list[tuple[float, float]]:
+    """(seconds since the first round, spread) every `every` s: each live peer's latest anchor digest
+    (256 anchor values at positions every peer shares, logged with each applied round), and the mean
+    relative distance of those digests to their mean, across all peers, not only within a round."""
+    rounds = sorted((r["time"], peer, r["digest"]) for peer, rs in outer.items() for r in rs if r.get("digest"))
+    if not rounds:
+        return []
+    t0, t_end = rounds[0][0], rounds[-1][0]
+    out, latest, i = [], {}, 0
+    t = t0 + every
+    while t <= t_end:
+        while i < len(rounds) and rounds[i][0] <= t:
+            latest[rounds[i][1]] = torch.tensor(rounds[i][2])
+            i += 1
+        if len(latest) >= 2:
+            stack = torch.stack(list(latest.values()))
+            mean = stack.mean(0)
+            out.append((round(t - t0, 1), float((stack - mean).norm(dim=1).mean() / mean.norm().clamp_min(1e-12))))
+        t += every
+    return out
+
+
+def n_id(rounds: list[dict]) -> str:
+    """The short peer id (as the outer event's members list it) of the peer that logged these rounds."""
+    return str(rounds[0].get("peer", ""))[-6:] if rounds else ""
+
+
+def _half(series: list[tuple[float, float]], which: int) -> Optional[float]:
+    half = len(series) // 2
+    part = series[:half] if which == 0 else series[half:]
+    return statistics.median(v for _, v in part) if part else None
+
+
+def print_swarm(results: list[dict]) -> None:
+    print(f"{'peers':>5} {'group':>5} {'grid':>4} {'group mean':>10} {'max':>4} {'full':>5} {'settled':>7} "
+          f"{'alone':>5} {'H +-10%':>7} "
+          f"{'rounds/min':>10} {'min':>5} {'round s':>8} {'p90':>6} {'failed':>6} {'applied':>7} "
+          f"{'spread':>8} {'1st half':>8} {'2nd half':>8} {'eval':>6} {'DHT kB/peer/round':>18} {'/min':>7} "
+          f"{'start s':>8}")
+    for r in results:
+        print(f"{r['peers']:>5} {r.get('target_group_size', '-'):>5} {'yes' if r.get('grid') else 'no':>4} "
+              f"{_num(r['group_size_mean'], 1):>10} {_num(r['group_size_max'], 0):>4} "
+              f"{_num(r.get('full_share'), 2):>5} {_num(r.get('full_share_settled'), 2):>7} "
+              f"{_num(r.get('alone_share'), 2):>5} {_num(r.get('steps_within_10pct'), 2):>7} "
               f"{r['rounds_per_min_median']:>10.1f} {r['rounds_per_min_min']:>5.1f} {_num(r['round_s_median'], 2):>8} "
               f"{_num(r['round_s_p90'], 2):>6} {r['failed_rounds']:>6} {r['applied_rounds']:>7} "
+              f"{_num(r.get('spread_median'), 5):>8} {_num(r.get('spread_first_half'), 5):>8} "
+              f"{_num(r.get('spread_second_half'), 5):>8} {_num(r.get('final_eval_mean'), 3):>6} "
               f"{_num(r['dht_kb_per_peer_round'], 1):>18} {_num(r.get('dht_kb_per_peer_min'), 0):>7} "
               f"{r['start_s']:>8.0f}")
 
@@ -413,12 +519,25 @@ def main(argv=None) -> int:
     sweep.add_argument("--duration", type=float, default=120.0, help="seconds each swarm trains")
     sweep.add_argument("--slowdown", type=float, default=8.0, help="each peer sleeps (slowdown-1) x its step time")
     sweep.add_argument("--plot", default="", help="PNG of the four figures against the swarm size")
+    sweep.add_argument("--target-group", type=int, default=0,
+                       help="target_group_size (default: the preset's, 8; past it, groups are lines of a grid)")
+    sweep.add_argument("--steps", type=int, default=0,
+                       help="stop each peer after this many inner steps (equal tokens; --duration then only bounds it)")
+    sweep.add_argument("--total-steps", type=int, default=0,
+                       help="the inner lr's cosine length (default: the preset's); short: the lr decays in the run")
+    sweep.add_argument("--rescore", action="store_true",
+                       help="recompute the table of the runs in --out from their metrics files (runs nothing)")
+    sweep.add_argument("--no-grid", action="store_true", help="groups of whoever is ready, no rotating grid")
+    sweep.add_argument("--legacy-dht", default="", help="put back hivemind's DHT cache (cache) and/or a progress "
+                                                        "store every log interval (stores), comma-separated")
     for sub_parser in (peers, join, sweep):
         sub_parser.add_argument("--data", default="", help="corpus file (default: the bundled corpus)")
         sub_parser.add_argument("--out", default="", help="directory for the peers' logs and result.json")
     args = parser.parse_args(argv)
     if args.mode in ("peers", "swarm") and args.duration <= 0:
         parser.error("--duration must be positive")
+    if args.mode == "swarm" and args.rescore and not (Path(args.out) / "result.json").is_file():
+        parser.error("--rescore needs --out DIR of an earlier swarm run (its result.json)")
     if args.mode == "swarm" and not all(2 <= n <= 32 for n in args.sizes):
         parser.error("--sizes must be 2..32 peers each")
     if args.mode == "join" and not (1 <= args.sources <= 8 and 1 <= args.repeats <= 10 and args.rate_mbit >= 0):
@@ -432,8 +551,15 @@ def main(argv=None) -> int:
     if args.mode == "peers":
         result = run_peers(args.size, args.duration, out / "peers", args.data)
         print_peers(result)
+    elif args.mode == "swarm" and args.rescore:
+        result = rescore_swarm(out)
+        print_swarm(result)
+        if args.plot:
+            plot_swarm(result, Path(args.plot))
     elif args.mode == "swarm":
-        result = [run_swarm(n, args.duration, out / f"swarm-{n}", slowdown=args.slowdown, data=args.data)
+        result = [run_swarm(n, args.duration, out / f"swarm-{n}", slowdown=args.slowdown, data=args.data,
+                            target_group=args.target_group, use_grid=not args.no_grid, legacy_dht=args.legacy_dht,
+                            total_steps=args.total_steps, steps=args.steps)
                   for n in args.sizes]
         print_swarm(result)
         if args.plot:

@@ -59,7 +59,7 @@ def test_clock_through_rounds():
     clock = Clock(inner_steps=50, now=0.0, inner_step=0)
     assert clock.should_enter(now=1.0, inner_step=50) is None  # no schedule before a group formed
     gather = clock.announce(now=2.0, inner_step=50)
-    assert gather == {"due": 2.0, "speed": 25.0}
+    assert gather == {"due": 2.0, "speed": 25.0, "round": 0, "dims": 1}
     clock.after_round([gather, {"due": 2.2, "speed": 25.0}], full=True)
     assert (clock.due, clock.period) == pytest.approx((4.1, 2.0)) and clock.in_phase
     assert not clock.should_enter(now=3.9, inner_step=95)        # 0.2 s early: more than half a step
@@ -111,6 +111,45 @@ def test_a_joiner_without_a_schedule_adopts_the_swarms():
     assert not clock.adopt({"x": {"due": None}}, now=50.0)
     assert clock.adopt({"x": {"due": 40.0, "period": 3.0}}, now=50.0)
     assert clock.due == pytest.approx(52.0) and clock.period == 3.0
+
+
+def test_the_round_number_and_grid_travel_with_the_schedule():
+    """Members leave a group with the highest round + 1 (one that missed rounds catches up) and the
+    median proposed grid; a peer alone counts its own rounds; a joiner takes round and grid from the
+    phase's records, carried forward."""
+    clock = Clock(inner_steps=50, now=0.0, inner_step=0, group_size=4)
+    assert clock.announce(now=2.0, inner_step=50, swarm_size=16)["dims"] == 2   # 4 x 4
+    members = [{"due": 2.0, "speed": 25.0, "round": r, "dims": d} for r, d in ((5, 2), (7, 2), (7, 9))]
+    clock.after_round(members, full=True)
+    assert (clock.round, clock.dims) == (8, 2)           # the odd member does not move the grid
+    clock.after_no_group()
+    assert clock.round == 9 and clock.record()["round"] == 9 and clock.record()["speed"] == 25.0
+    clock.should_enter(now=clock.due + 3 * clock.period, inner_step=500)   # 3 periods late: no burst
+    assert clock.round == 12
+    joiner = Clock(inner_steps=50, now=50.0, inner_step=0, group_size=4)
+    assert joiner.adopt({"x": {"due": 40.0, "period": 3.0, "round": 20, "dims": 3}}, now=50.0)
+    assert (joiner.due, joiner.round, joiner.dims) == (pytest.approx(52.0), 24, 3)   # 4 periods on
+    # in phase already, but our due is the next period's: numbered as the holders number theirs
+    assert not joiner.adopt({"x": {"due": 55.0, "period": 3.0, "round": 30, "dims": 3}}, now=50.0)
+    assert joiner.round == 29
+
+
+def test_lines_of_a_grid_keep_the_swarms_period():
+    """Two lines of slightly different speeds: each would set its own period and the lines drift apart;
+    with the swarm's median speed from the progress records both leave with the same next due time."""
+    records = {p: {"speed": s} for p, s in zip("abcdef", (24.0, 25.0, 25.0, 26.0, 25.0, 30.0))}
+    dues = []
+    for speeds in ((24.0, 24.0), (26.0, 27.0)):
+        clock = Clock(inner_steps=50, now=0.0, inner_step=0, group_size=2)
+        clock.dims = 2
+        clock.observe(records)
+        clock.after_round([{"due": 10.0, "speed": v, "round": 3, "dims": 2} for v in speeds], full=False)
+        dues.append(clock.due)
+    assert dues == pytest.approx([12.0, 12.0])   # 50 steps at the swarm's median speed, 25/s
+    alone = Clock(inner_steps=50, now=0.0, inner_step=0)   # one group (no grid): its own members' speeds
+    alone.observe(records)
+    alone.after_round([{"due": 10.0, "speed": 20.0}] * 2, full=True)
+    assert alone.due == pytest.approx(12.5)
 
 
 def test_a_due_time_missed_by_over_half_a_period_moves_to_the_nearest():
