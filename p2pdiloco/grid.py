@@ -2,13 +2,14 @@
 rotating grid, so that every peer's work reaches every anchor within a few rounds.
 
 This is Moshpit SGD's grid (Ryabinin et al., arXiv 2103.03239, Algorithm 1). Every peer holds
-coordinates on a grid of `dims` dimensions, each of `size` (= target_group_size) cells. In round r
-the peers that share every coordinate except the one of dimension k = r mod dims meet: a group is
-a line of the grid, at most `size` peers. After the round each member takes its index in the group
-as its new coordinate k, so the next round's lines (along dimension k+1) each hold one member of
-every line of this round. With a full grid of N = size**dims peers, information from every peer
-reaches every anchor in `dims` = ceil(log_size N) rounds; with holes (fewer peers, churn) the
-re-indexing packs the coordinates so that lines stay about full (Moshpit §3.1).
+coordinates on a grid of `dims` = ceil(log_size N) dimensions (size = target_group_size), of which
+the live peers fill the first N cells of side(N) <= size per dimension, about N**(1/dims). In round
+r the peers that share every coordinate except the one of dimension k = r mod dims meet: a group is
+a line of the grid. After the round each member takes its index in the group as its new
+coordinate k, so the next round's lines (along dimension k+1) each hold one member of every line
+of this round. On a full grid, information from every peer reaches every anchor in `dims` rounds.
+Re-indexing alone does not keep the lines full (hashed cells collide for ever); `settle` moves a
+peer off a taken or outlying cell, by the cells in the other peers' progress records.
 
     >>> dims = dims_for(16, 4)                       # 2: a 4 x 4 grid
     >>> coords = initial_coords("QmPeer", dims, 4)   # a stable hash of the peer id
@@ -96,7 +97,7 @@ def settle(me: str, coords: list[int], cells: dict[str, list[int]], *, live: int
     two that pick the same cell settle at the next look).
     """
     s = side(live, dims, size)
-    inside = [c for c in coords[:dims]]
+    inside = list(coords[:dims])
     mine = cell_index(inside, s) if len(inside) == dims and all(c < s for c in inside) else None
     taken = {cell_index(c, s) for peer, c in cells.items() if peer < me and len(c) == dims and all(x < s for x in c)}
     limit = min(max(live, 1), s ** dims)

@@ -322,8 +322,9 @@ class SwarmRounds:
         if self.clock is not None:  # every member of a formed group leaves it with the same next due time
             if outcome.members:
                 self._leave_line(pending, sorted(outcome.members))
-                # with a grid, a whole line says nothing of the other lines' phase: look at the swarm's each time
-                whole = len(outcome.members) >= self._full_group() and self.clock.dims <= 1
+                # a group that held every live peer leaves everyone in phase; a partial group, or one line of a
+                # grid, says nothing of the others' phase: look at the swarm's at the next read
+                whole = self.clock.dims <= 1 and len(outcome.members) >= self.swarm_size
                 self.clock.after_round(list(outcome.members.values()), full=whole)
             else:
                 self.clock.after_no_group()

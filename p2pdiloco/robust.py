@@ -41,8 +41,11 @@ TOLERANCE = 1e-5       # stop once an iteration moves v by less than this times 
 PROJECTIONS = 2        # random directions per part in the reducer check
 CHECK_THRESHOLD = 0.1  # |sum of terms| / sqrt(sum of squared terms) above this: the reducer lied
 # ... where the terms are at least this fraction of the average's own size: members that all hold
-# the same values (a merge round's anchors) leave terms of fp32 rounding noise, whose ratio means nothing
-CHECK_FLOOR = 1e-3
+# the same values (a merge round's anchors) leave terms of fp32 rounding noise, whose ratio means nothing.
+# fp16 transport rounds each part by ~1e-4 of its size (rms), which moves the sum of the terms by about
+# that much: at 1e-3, two members whose first pseudo-gradients differed by ~4e-3 of their size (AdamW's
+# first steps barely depend on the data) made an honest reducer fail the check (statistic 0.126, CI)
+CHECK_FLOOR = 1e-2
 HARD_CLIP = 0.5        # a sender scaled below this (its distance over 2 tau) was clipped hard
 WEIGHT_RATIO = 1.5     # with a robust rule, a sender's weight is capped at this times the group's median
 

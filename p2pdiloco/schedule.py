@@ -92,7 +92,8 @@ def _phase(records: dict, *, now: float, tolerance: float, max_gap: float):
         ahead = max(0, math.ceil((now - due) / period))
         round_, dims = record.get("round"), record.get("dims")
         round_ = round_ + ahead if _integer(round_) else None
-        phases.append((peer, due + ahead * period, period, round_, dims if _integer(dims) and dims >= 1 else None))
+        dims = dims if _integer(dims) and 1 <= dims <= grid.MAX_DIMS else None
+        phases.append((peer, due + ahead * period, period, round_, dims))
     if not phases:
         return None
 

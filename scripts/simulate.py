@@ -582,8 +582,8 @@ class Sim:
                 round_, dims, coords = entry.line
                 p.coords = grid.regroup(coords, round_=round_, dims=dims,
                                         index=min(ids.index(p.id), s.target_group_size - 1))
-            # with a grid, a whole line says nothing of the other lines' phase: the swarm's is read each time
-            whole = len(group.entries) >= self.full_group(p) and p.clock.dims <= 1
+            # outer._apply_round: only a group of every live peer leaves everyone in phase (not one line of a grid)
+            whole = p.clock.dims <= 1 and len(group.entries) >= p.swarm_size
             p.clock.after_round([e.gather for e in group.entries], full=whole)
             p.count_from = math.floor((group.formed_at - p.t0) * p.speed + 1e-9)  # _count_from_formation
             if group.failed:
