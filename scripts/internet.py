@@ -152,7 +152,7 @@ def slow(workdir: Path, *, duration: float, rate_mbit: float = 20.0, delay_ms: f
         swarm.wait_for(lambda: swarm.events("d", "join") or swarm.peers["d"].proc.poll() is not None, 120,
                        "d: state loaded")
         swarm.wait_for(lambda: len(swarm.events("d", "outer")) >= 1 or swarm.peers["d"].proc.poll() is not None,
-                       duration * 0.4, "d: first outer step")
+                       duration * 0.4 + 20, "d: first outer step")  # H steps and a round after its join
         killed_at = time.monotonic() - t0
         swarm.signal("c", signal.SIGKILL)
         applied_before = {p: len(swarm.events(p, "outer")) for p in ("a", "b", "d")}

@@ -236,7 +236,12 @@ def test_faulty_peers_are_excluded_and_model_stays_finite(swarm):
     faulty = {swarm.events(n, "inner")[0]["peer"]: n for n in "xy"}
     for n in "ab":
         bad = swarm.events(n, "bad_contribution")
-        assert {faulty.get(r["sender"]) for r in bad} == {"x", "y"}, bad
+        assert {faulty.get(r["sender"]) for r in bad} >= {"x", "y"}, bad
+        # an honest peer far from the others (a merge round's stale anchor) may be clipped now and then
+        # (suspects.py; seen once in CI), never excluded, and one round never bans it
+        honest = [r for r in bad if r["sender"] not in faulty]
+        assert all(r["reason"].startswith("clipped") for r in honest), honest
+        assert not {r["sender"] for r in swarm.events(n, "banned")} - set(faulty), swarm.events(n, "banned")
         assert any("nan" in r["reason"] for r in bad) and any("excluded" in r["reason"] for r in bad), bad
         outer = swarm.events(n, "outer")
         assert all(math.isfinite(r["eval_loss"]) for r in outer)

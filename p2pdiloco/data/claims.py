@@ -198,9 +198,18 @@ class ShardClaims:
             self.on_range(epoch=slot.epoch, shard=slot.shard, start=slot.logged, end=slot.cursor)
             slot.logged = slot.cursor
 
+    def _publish(self, slot: Slot, *, lease_until: float, done: bool = False) -> None:
+        """Store the slot's claim at its cursor, then report the range read up to it: a peer killed
+        between the two leaves a report behind its published cursor, never ahead (CI: a peer killed
+        right after a report, before its store landed, left the windows between to be read again)."""
+        cursor = slot.cursor
+        self._store(slot.epoch, slot.shard, cursor=cursor, lease_until=lease_until, done=done)
+        if cursor > slot.logged:
+            self.on_range(epoch=slot.epoch, shard=slot.shard, start=slot.logged, end=cursor)
+            slot.logged = cursor
+
     def _finish(self, slot: Slot) -> None:
-        self._report(slot)
-        self._store(slot.epoch, slot.shard, cursor=slot.cursor, lease_until=0.0, done=True)
+        self._publish(slot, lease_until=0.0, done=True)
 
     def _held(self) -> set[tuple[int, int]]:
         return {(s.epoch, s.shard) for s in self.slots}
@@ -281,29 +290,25 @@ class ShardClaims:
         cursor, unless another live peer holds the shard now (a race we lost): then let it go."""
         by_epoch = {e: self._read(e) for e in {s.epoch for s in self.slots}}
         for i, slot in enumerate(list(self.slots)):
-            self._report(slot)
             rec = by_epoch[slot.epoch].get(slot.shard, {})
             if rec.get("token") not in (None, self.token) and rec.get("lease_until", 0) > get_dht_time():
                 logger.info(f"shard {slot.shard} of epoch {slot.epoch} is held by {rec.get('peer')}: giving it up")
+                self._report(slot)  # what we read; the holder's record stays
                 self.slots.remove(slot)  # take() claims another
                 continue
-            self._store(slot.epoch, slot.shard, cursor=slot.cursor, lease_until=get_dht_time() + self.lease_s)
+            self._publish(slot, lease_until=get_dht_time() + self.lease_s)
 
     def _hold_during(self, seconds: float) -> None:
         """Before a fetch that blocks the reading (up to `seconds`): the shards we read stay ours
         through it (a slow uplink takes longer than a lease), at our cursors."""
         for slot in self.slots:
             if slot.cursor < self.windows[slot.shard]:  # a finished one is stored done: leave it
-                self._report(slot)
-                self._store(slot.epoch, slot.shard, cursor=slot.cursor,
-                            lease_until=get_dht_time() + self.lease_s + seconds)
+                self._publish(slot, lease_until=get_dht_time() + self.lease_s + seconds)
 
     def release(self) -> None:
         """At a clean stop: our shards are free at once, at our cursors."""
         for slot in self.slots:
-            self._report(slot)
-            self._store(slot.epoch, slot.shard, cursor=slot.cursor, lease_until=0.0,
-                        done=slot.cursor >= self.windows[slot.shard])
+            self._publish(slot, lease_until=0.0, done=slot.cursor >= self.windows[slot.shard])
 
     # --- checkpoints ----------------------------------------------------------------------
 
