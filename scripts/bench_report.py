@@ -36,7 +36,8 @@ def headline(results: dict) -> list[str]:
         if "quality" in comps:
             q = comps["quality"]
             for name in ("ddp", "sync_h50", "decoupled_h50", "sync_h100", "decoupled_h100"):
-                put(f"final eval loss, {name}", i, f"{q['runs'][name]['final_eval']:.4f}")
+                if name in q["runs"]:  # the quick size has no pair at 2H
+                    put(f"final eval loss, {name}", i, f"{q['runs'][name]['final_eval']:.4f}")
             for g in q["gaps_pct"]:
                 put(f"{g['what']} (target <= +{g['target_pct']}%)", i,
                     f"{g['pct']:+.2f}% {'met' if g['met'] else 'MISSED'}")
