@@ -193,10 +193,12 @@ class ShardClaims:
     def _slot(self, epoch: int, shard: int, cursor: int) -> Slot:
         return Slot(epoch, shard, cursor, cursor, window_order(self.cfg.seed, shard, epoch, self.windows[shard]))
 
-    def _report(self, slot: Slot) -> None:
-        if slot.cursor > slot.logged:
-            self.on_range(epoch=slot.epoch, shard=slot.shard, start=slot.logged, end=slot.cursor)
-            slot.logged = slot.cursor
+    def _report(self, slot: Slot, end: Optional[int] = None) -> None:
+        """Report the range read since the last report, up to `end` (default: the cursor)."""
+        end = slot.cursor if end is None else end
+        if end > slot.logged:
+            self.on_range(epoch=slot.epoch, shard=slot.shard, start=slot.logged, end=end)
+            slot.logged = end
 
     def _publish(self, slot: Slot, *, lease_until: float, done: bool = False) -> None:
         """Store the slot's claim at its cursor, then report the range read up to it: a peer killed
@@ -204,9 +206,7 @@ class ShardClaims:
         right after a report, before its store landed, left the windows between to be read again)."""
         cursor = slot.cursor
         self._store(slot.epoch, slot.shard, cursor=cursor, lease_until=lease_until, done=done)
-        if cursor > slot.logged:
-            self.on_range(epoch=slot.epoch, shard=slot.shard, start=slot.logged, end=cursor)
-            slot.logged = cursor
+        self._report(slot, cursor)
 
     def _finish(self, slot: Slot) -> None:
         self._publish(slot, lease_until=0.0, done=True)
