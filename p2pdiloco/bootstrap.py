@@ -33,6 +33,12 @@ from p2pdiloco.swarm import LEGACY_DHT, SwarmError, is_loopback
 logger = logging.getLogger(__name__)
 
 
+# Kademlia's k (the routing buckets and every search's beam) and the copies of each record; hivemind's are 20 and
+# 5. Measured in docs/scale.md ("DHT bytes per peer"): scale.py swarm --sizes 4 16 [--legacy-dht beam]
+DHT_BUCKET_SIZE = 4
+DHT_REPLICAS = 3
+
+
 def start_dht(cfg, *, stop_event: Optional[threading.Event] = None) -> hivemind.DHT:
     """Start this peer's DHT node (and its p2pd daemon) and bootstrap through cfg.initial_peers.
 
@@ -238,6 +244,12 @@ def _launch(cfg, initial_peers: list[str], stop_event: threading.Event) -> hivem
         # replies to every search that passes by: the progress records (a dict of N entries every peer
         # reads) then rode along with every store's search, ~N^2 bytes per peer per minute (docs/scale.md)
         kwargs.update(cache_locally=False, cache_nearest=0, cache_refresh_before_expiry=0)
+    if "beam" not in LEGACY_DHT:
+        # hivemind's Kademlia k is 20: every lookup keeps a beam of 20 nodes and has no early stop for a
+        # latest=True read, so below 21 peers every read and every store's search asks all N - 1 others
+        # and the DHT bytes per peer per round grow with N (docs/scale.md, "DHT bytes per peer"). A beam
+        # of DHT_BUCKET_SIZE nodes holding DHT_REPLICAS copies asks the same few nodes at 4 peers or 16.
+        kwargs.update(bucket_size=DHT_BUCKET_SIZE, num_replicas=DHT_REPLICAS)
     validators = [SecretValidator(cfg.run_secret, cfg.run_id)] if cfg.run_secret else []
     dht = hivemind.DHT(start=True, await_ready=False, record_validators=validators, **kwargs)
     # hivemind bounds each stage (the identity check, p2pd, the pings, the first lookup); this bounds them all

@@ -140,7 +140,8 @@ def member_key(cfg) -> str:
 
 
 # Benchmark-only (scale.py swarm --legacy-dht): put back hivemind's DHT cache ("cache") or a progress
-# store every log interval whatever the swarm's size ("stores"), to measure what each change saved
+# store every log interval whatever the swarm's size ("stores") or Kademlia's beam of 20 ("beam", bootstrap.py),
+# to measure what each change saved
 LEGACY_DHT = set(filter(None, os.environ.get("P2PDILOCO_LEGACY_DHT", "").split(",")))
 
 

@@ -528,8 +528,9 @@ def main(argv=None) -> int:
     sweep.add_argument("--rescore", action="store_true",
                        help="recompute the table of the runs in --out from their metrics files (runs nothing)")
     sweep.add_argument("--no-grid", action="store_true", help="groups of whoever is ready, no rotating grid")
-    sweep.add_argument("--legacy-dht", default="", help="put back hivemind's DHT cache (cache) and/or a progress "
-                                                        "store every log interval (stores), comma-separated")
+    sweep.add_argument("--legacy-dht", default="", help="put back hivemind's DHT cache (cache), a progress store "
+                                                        "every log interval (stores) and/or its beam of 20 nodes "
+                                                        "holding 5 copies (beam), comma-separated")
     for sub_parser in (peers, join, sweep):
         sub_parser.add_argument("--data", default="", help="corpus file (default: the bundled corpus)")
         sub_parser.add_argument("--out", default="", help="directory for the peers' logs and result.json")

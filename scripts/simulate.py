@@ -38,7 +38,7 @@ the round lands, `observe`, `adopt` and `grid.settle` at each progress read, spa
   expiring after max(15, 3 x that); a read is used at the next tick (outer._refresh_swarm_outer_step).
   They give the peer's swarm size, the phase to adopt and the cells to settle against.
 - DHT cost (messages and bytes per peer): a node search asks all N - 1 peers up to BEAM + 1 peers
-  (hivemind's beam of 20, no early stop), beyond that BEAM + ALPHA x log2(N / BEAM); each reply
+  (the peers' beam, bootstrap.DHT_BUCKET_SIZE; no early stop), beyond that BEAM + ALPHA x log2(N / BEAM); each reply
   lists up to BEAM peers. A store is a node search plus a store to each of REPLICAS replicas; a
   read is the same search, in which the replicas reply with the whole value (N records for the
   progress key). Per round: one declare and MATCHMAKING_READS reads of the group key, one verdict
@@ -87,7 +87,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from p2pdiloco import diloco, grid, schedule, swarm  # noqa: E402
+from p2pdiloco import bootstrap, diloco, grid, schedule, swarm  # noqa: E402
 
 # --- scale.py swarm's peers: peers/tiny-cpu.toml with --inner-steps 30, paced by --slowdown
 UNPACED_STEPS_PER_S = 28.0  # a tiny peer's inner steps/s on the 2-core test machine; --slowdown S gives / S
@@ -100,10 +100,10 @@ ROUND_RTTS = 3              # the leader's "begin", reduce-scatter, all-gather: 
 VERDICT_RTTS = 1            # the members' verdicts: one store and a read that finds them all
 STATE_BYTES_PER_PARAM = 8   # a joiner's download: anchor and outer momentum in fp32 (state.py)
 
-# --- the DHT (hivemind 1.1.12's DHTNode defaults; bootstrap.py turns caching off)
-BEAM = 20                   # bucket_size: a search keeps the 20 nearest peers it heard of and asks each
+# --- the DHT (hivemind 1.1.12's DHTNode as bootstrap.py starts it: no cache, its beam and copies)
+BEAM = bootstrap.DHT_BUCKET_SIZE   # bucket_size: a search keeps the BEAM nearest peers it heard of and asks each
 ALPHA = 3                   # past the beam, each halving of the distance (log2(N / BEAM) of them) asks ~3 more
-REPLICAS = 5                # num_replicas: a store goes to the 5 nearest; in a read, each of them replies
+REPLICAS = bootstrap.DHT_REPLICAS  # num_replicas: a store goes to the nearest; in a read, each of them replies
 RPC_BYTES = 250             # one request or reply without its payload: libp2p framing, protobuf, DHT ids
 NODE_BYTES = 60             # one peer in a search's reply (DHT id and peer id)
 GROUP_ENTRY_BYTES = 60      # one declared averager under the group key (peer id, expiration)

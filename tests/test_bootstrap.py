@@ -277,3 +277,34 @@ def test_stale_daemon_sockets_are_swept(tmp_path):
         assert not dead.exists() and live.exists() and young.exists()
     finally:
         listener.close()
+
+
+async def _dht_settings(_dht, node) -> tuple:  # runs in the DHT's process: a module-level function pickles
+    return node.protocol.bucket_size, node.num_replicas, node.cache_locally, node.cache_nearest
+
+
+def test_a_small_beam_still_reads_every_record():
+    """start_dht keeps a Kademlia beam of DHT_BUCKET_SIZE nodes holding DHT_REPLICAS copies (hivemind's 20 and 5:
+    below 21 peers every lookup asked all the others) and no node cache. With twice as many nodes as the beam,
+    every node still reads every node's entry of one key, the way the schedule reads the progress records."""
+    from hivemind.utils import get_dht_time
+
+    n = 2 * bootstrap.DHT_BUCKET_SIZE
+    loopback = ["/ip4/127.0.0.1/tcp/0"]
+    dhts = []
+    try:
+        dhts.append(bootstrap.start_dht(Config(host_maddrs=loopback)))
+        addrs = [str(a) for a in dhts[0].get_visible_maddrs()]
+        for _ in range(n - 1):
+            dhts.append(bootstrap.start_dht(Config(initial_peers=addrs, host_maddrs=loopback)))
+        settings = dhts[-1].run_coroutine(_dht_settings)
+        assert settings == (bootstrap.DHT_BUCKET_SIZE, bootstrap.DHT_REPLICAS, False, 0)
+        for i, dht in enumerate(dhts):
+            assert dht.store("progress", subkey=f"peer{i}", value=i, expiration_time=get_dht_time() + 120)
+        for dht in dhts:
+            found = dht.get("progress", latest=True)
+            assert found is not None and {k: v.value for k, v in found.value.items()} == \
+                {f"peer{i}": i for i in range(n)}
+    finally:
+        for dht in dhts:
+            dht.shutdown()

@@ -54,9 +54,9 @@ def test_mixing_takes_the_grids_dimensions():
 @pytest.mark.timeout(120)
 def test_dht_cost_is_flat_past_the_beam():
     """Per peer per round, at equal speeds (the same rounds per minute at every size). Past BEAM + 1
-    peers and below the 60 s cap of progress_read_every (240 peers at a 2 s log interval) the
-    progress reads' N records come N/8 times less often, and a search asks about BEAM peers: flat.
-    Below the beam it is not: hivemind's search asks all N - 1 peers, each reply listing N - 1."""
+    peers (the peers' beam of bootstrap.DHT_BUCKET_SIZE = 4) and below the 60 s cap of progress_read_every
+    (240 peers at a 2 s log interval) the progress reads' N records come N/8 times less often, and a search
+    asks about BEAM peers plus a few per hop: flat. Up to the beam a search asks all N - 1 peers."""
     rows = {n: simulate.simulate(Settings(peers=n, target_group_size=4, rounds=20, speed_spread=0.0))
             for n in (4, 16, 24, 96)}
     for row in rows.values():
@@ -65,8 +65,9 @@ def test_dht_cost_is_flat_past_the_beam():
     assert 1 / 1.3 <= ratio <= 1.3, {n: r["dht_kb_per_peer_round"] for n, r in rows.items()}
     msgs = rows[96]["dht_msgs_per_peer_round"] / rows[24]["dht_msgs_per_peer_round"]
     assert 1 / 1.3 <= msgs <= 1.3, msgs
-    # the model's searches below the beam (docs/scale.md): 16 peers cost well over 4 peers' per round
-    assert rows[16]["dht_kb_per_peer_round"] > 2 * rows[4]["dht_kb_per_peer_round"], rows
+    # 4 peers are within the beam (a search asks the 3 others), 16 past it (the beam and ~3 a hop): more,
+    # but under twice (with hivemind's beam of 20 the model gave 4.3x, the real swarm 5.6x: docs/scale.md)
+    assert rows[4]["dht_kb_per_peer_round"] < rows[16]["dht_kb_per_peer_round"] < 2 * rows[4]["dht_kb_per_peer_round"]
 
 
 @pytest.mark.timeout(120)

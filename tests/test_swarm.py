@@ -66,7 +66,9 @@ def test_three_peers_average_and_loss_falls(swarm):
 
 def test_late_joiner_loads_state_first(swarm):
     swarm.wait_for(lambda: max(outer_steps(swarm, "a") or [0]) >= 3, timeout=150, what="outer step 3")
-    swarm_loss = swarm.events("a", "inner")[-1]["loss"]
+    # one batch's loss swings by ~0.7 on this small corpus (a: 1.06, 0.57, 0.94, 0.34), so the swarm's
+    # level is the worst of its last few batches, not one
+    swarm_loss = max(r["loss"] for n in "ab" for r in swarm.events(n, "inner")[-4:])
     swarm.start("d", join="b")  # any live peer will do, not only the first
     swarm.wait_for(lambda: swarm.events("d", "join") and swarm.events("d", "inner"), timeout=90,
                    what="d joined and trained")
