@@ -1,7 +1,8 @@
 """Metrics: one JSON object per line in `LOG_DIR/metrics.jsonl`, plus a human status line.
 
 Events (the contract documented in the README):
-    inner        every log interval: inner_step, outer_step, loss, tokens, tokens_per_s, compute_s, data_s
+    inner        every log interval: inner_step, outer_step, loss, tokens, tokens_per_s, compute_s, data_s,
+                 outer_s (the trainer's seconds in starting and applying rounds), eval_s (of which evaluating)
     outer        each applied outer step: outer_step, group_size, share, weight, staleness, round_s,
                  bytes_sent, bytes_recv, eval_loss, eval_bpb (bits per byte of text), anchor_spread
     join         after a state download: loaded_outer_step, download_s
@@ -13,7 +14,7 @@ Events (the contract documented in the README):
     data         a range of claimed windows read (prepared tokens): epoch, shard, start, end (cursors)
     checkpoint_failed  a checkpoint write failed (the previous one is kept): reason
     final        at a clean stop: inner_step, outer_step, eval_loss, eval_bpb, tokens, compute_s, data_s,
-                 wall_s, final_wait_s
+                 outer_s, eval_s, wall_s, final_wait_s
 
 The inner and outer scalars also go to TensorBoard and W&B when asked for (sinks.py). A sink that
 fails while training logs one warning and is dropped; metrics.jsonl and training go on.

@@ -441,6 +441,10 @@ class Peer(SwarmRounds):
         self._published_at = -math.inf  # our last progress record
         self.compute_s = 0.0  # inside forward, backward and the optimizer step: the utilization numerator
         self.data_s = 0.0  # waiting for the next batch
+        # in this (the trainer's) thread, handing a round its pseudo-gradient and applying what came back (the
+        # outer step, the merge, the anchor's evaluation): where a GPU peer's wall time goes besides its steps
+        self.outer_s = 0.0
+        self.eval_s = 0.0  # of which evaluating the anchor
         self._loss_sum, self._loss_n, self._tokens_at_log = 0.0, 0, 0
         self.last_loss = math.nan
 
@@ -518,7 +522,9 @@ class Peer(SwarmRounds):
         applied = False
         if self.pending is not None and self.pending.future.done():
             pending, self.pending = self.pending, None
+            t_outer = time.perf_counter()
             applied = self._finish_round(pending)
+            self.outer_s += time.perf_counter() - t_outer
 
         # --- every inner_steps steps: hand the pseudo-gradient to a background round ----
         if self.pending is None:
@@ -526,7 +532,9 @@ class Peer(SwarmRounds):
             if enter is None:  # no schedule (yet): every inner_steps steps
                 enter = self.steps_since_round >= self.due_steps - self.lead_steps
             if enter:
+                t_outer = time.perf_counter()
                 self.pending = self._start_round()
+                self.outer_s += time.perf_counter() - t_outer
                 if cfg.sync_rounds:
                     applied = self._wait_round_sync(self.t_start) or applied
 
@@ -561,7 +569,7 @@ class Peer(SwarmRounds):
         eval_loss = self._evaluate()
         self.metrics.log("final", inner_step=self.inner_step, outer_step=self.outer_step, eval_loss=eval_loss,
                          eval_bpb=self.bits_per_byte(eval_loss), tokens=self.tokens, data_s=self.data_s,
-                         compute_s=self.compute_s, wall_s=wall_s,
+                         compute_s=self.compute_s, outer_s=self.outer_s, eval_s=self.eval_s, wall_s=wall_s,
                          final_wait_s=time.monotonic() - self.t_start - wall_s, **extra)
         self._save_checkpoint()
 
@@ -585,6 +593,7 @@ class Peer(SwarmRounds):
     def _log_inner(self, tokens_per_s: float) -> None:
         self.metrics.log("inner", inner_step=self.inner_step, outer_step=self.outer_step, loss=self.last_loss,
                          tokens=self.tokens, tokens_per_s=tokens_per_s, compute_s=self.compute_s, data_s=self.data_s,
+                         outer_s=self.outer_s, eval_s=self.eval_s,
                          **({"data": self.claims.position()} if self.claims is not None else {}))
         self.metrics.status(f"[{self.peer_id[-6:]}] step {self.inner_step:6d}  outer {self.outer_step:4d}  "
                             f"loss {self.last_loss:6.3f}  {tokens_per_s:8.0f} tok/s")
@@ -621,6 +630,13 @@ class Peer(SwarmRounds):
 
     @torch.no_grad()
     def _evaluate(self) -> Optional[float]:
+        t0 = time.perf_counter()
+        try:
+            return self._evaluate_anchor()
+        finally:
+            self.eval_s += time.perf_counter() - t0
+
+    def _evaluate_anchor(self) -> Optional[float]:
         """Loss of the anchor (the swarm's model) on the held-out batches, or the caller's eval_fn
         on the anchor; None when there is nothing to evaluate with. Our own model runs with its
         parameters swapped for views of the anchor (torch.func.functional_call): no second model

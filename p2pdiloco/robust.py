@@ -46,6 +46,11 @@ CHECK_THRESHOLD = 0.1  # |sum of terms| / sqrt(sum of squared terms) above this:
 # that much: at 1e-3, two members whose first pseudo-gradients differed by ~4e-3 of their size (AdamW's
 # first steps barely depend on the data) made an honest reducer fail the check (statistic 0.126, CI)
 CHECK_FLOOR = 1e-2
+# ... and below fp16's smallest normal value (2^-14) fp16 rounds by a fixed 2^-25, not by 2^-11 of the value:
+# an average this small is floored as if it were this size. Pseudo-gradients of ~4e-6 (the 85M preset's first
+# rounds at a small H, deep in a 1000-step warmup) made two honest peers fail the check (statistic 0.11-0.70)
+# in every round and ban each other (tests/test_averaging.py, "below fp16's normal range")
+FP16_MIN_NORMAL = 2.0 ** -14
 HARD_CLIP = 0.5        # a sender scaled below this (its distance over 2 tau) was clipped hard
 WEIGHT_RATIO = 1.5     # with a robust rule, a sender's weight is capped at this times the group's median
 
@@ -128,8 +133,9 @@ def fixed_point_terms(own: torch.Tensor, average: torch.Tensor, weight: float, t
 
 def check_floor(average: torch.Tensor, total_weight: float) -> float:
     """The smallest scale of a piece's terms that the check trusts: a lie of CHECK_FLOOR of the
-    average's norm would move the sum of the terms by about this much."""
-    return CHECK_FLOOR * float(average.float().norm()) * total_weight / max(1, average.numel()) ** 0.5
+    average's size (its rms, at least FP16_MIN_NORMAL) would move the sum of the terms by about this much."""
+    rms = float(average.float().norm()) / max(1, average.numel()) ** 0.5
+    return CHECK_FLOOR * max(rms, FP16_MIN_NORMAL) * total_weight
 
 
 def check_statistic(terms: list, floor: float = 0.0) -> float:

@@ -506,7 +506,10 @@ class Bench:
         tokens_per_s = [p["tokens"] / p["wall_s"] for p in run["peers"].values()]
         flops = flops_per_token(model_cfg)
         peak = peak_flops(torch.cuda.get_device_name())
-        return {"swarm": run, "bare": bare, "device": torch.cuda.get_device_name(),
+        # where each peer's wall time went (the first GPU run: 0.68 in inner steps, the rest unexplained)
+        split = {name: {what: p[f"{what}_s"] / p["wall_s"] for what in ("compute", "data", "outer", "eval")}
+                 for name, p in run["peers"].items()}
+        return {"time_split": split, "swarm": run, "bare": bare, "device": torch.cuda.get_device_name(),
                 "inner_tokens_per_s": tokens_per_s, "flops_per_token": flops, "peak_flops": peak,
                 "mfu": [t * flops / peak for t in tokens_per_s] if peak else None,
                 "peer_step_ms": 1e3 * peer_step, "bare_step_ms": 1e3 * bare_step,
@@ -552,6 +555,7 @@ def summarize_swarm(name: str, records: dict, before, after, slowdowns: dict) ->
         final_eval = math.inf if final["eval_loss"] is None else final["eval_loss"]
         peers[peer] = {"final_eval": final_eval, "tokens": final["tokens"], "inner_step": final["inner_step"],
                        "outer_steps_applied": len(outer), "wall_s": final["wall_s"], "compute_s": final["compute_s"],
+                       "data_s": final.get("data_s"), "outer_s": final.get("outer_s"), "eval_s": final.get("eval_s"),
                        "final_wait_s": final.get("final_wait_s", 0.0), "end": final["time"],
                        "start": final["time"] - final["wall_s"] - final.get("final_wait_s", 0.0),
                        "rounds_failed": sum(r["event"] == "round_failed" for r in recs),

@@ -217,6 +217,12 @@ def report(results: dict, out: Path) -> str:
                       f"{', '.join(f'{t:.0f}' for t in g['inner_tokens_per_s'])}; MFU {mfu}; inner step "
                       f"{g['peer_step_ms']:.1f} ms vs bare loop {g['bare_step_ms']:.1f} ms "
                       f"({g['overhead_pct']:+.2f}%)", ""]
+            for peer, split in g.get("time_split", {}).items():
+                rest = 1 - split["compute"] - split["data"] - split["outer"]
+                lines.append(f"- {peer}: of the wall time, inner steps {split['compute']:.1%}, data "
+                             f"{split['data']:.1%}, starting and applying rounds {split['outer']:.1%} (evaluations "
+                             f"{split['eval']:.1%}), the rest {rest:.1%}")
+            lines.append("")
     text = "\n".join(lines)
     (out / "results.md").write_text(text)
     return text

@@ -50,6 +50,10 @@ def test_three_peers_average_and_loss_falls(swarm):
         # b and c start from a's state when they come up late under load, so compare with random init
         inner = swarm.events(name, "inner")
         assert inner[-1]["loss"] < RANDOM_INIT_LOSS - 2.0, inner[-1]
+        # the training thread's time in rounds (their hand-off, outer steps, evaluations) is counted, and
+        # apart from the steps' (in every record after the first outer step)
+        late = [r for r in inner if r["time"] > outer[0]["time"]]
+        assert late and all(0 < r["eval_s"] <= r["outer_s"] < r["compute_s"] for r in late), late
         assert outer[-1]["eval_loss"] < RANDOM_INIT_LOSS - 1.0
     inner_a = swarm.events("a", "inner")  # a started the swarm: its training loss fell from near random init
     assert inner_a[-1]["loss"] < inner_a[0]["loss"] - 0.5, (inner_a[0]["loss"], inner_a[-1]["loss"])
