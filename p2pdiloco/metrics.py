@@ -2,7 +2,7 @@
 
 Events (the contract documented in the README):
     inner        every log interval: inner_step, outer_step, loss, tokens, tokens_per_s, compute_s, data_s,
-                 outer_s (the trainer's seconds in starting and applying rounds), eval_s (of which evaluating)
+                 outer_s (the trainer's seconds in starting and applying rounds), eval_s (evaluating the anchor)
     outer        each applied outer step: outer_step, group_size, share, weight, staleness, round_s,
                  bytes_sent, bytes_recv, eval_loss, eval_bpb (bits per byte of text), anchor_spread
     join         after a state download: loaded_outer_step, download_s
