@@ -275,8 +275,14 @@ def test_poisoned_anchor_in_merge_rounds_is_excluded(swarm):
     poisoned = swarm.events("z", "inner")[0]["peer"]
     for n in "ab":
         bad = swarm.events(n, "bad_contribution")
-        assert {r["sender"] for r in bad} == {poisoned}, bad
+        assert poisoned in {r["sender"] for r in bad}, bad
         assert {r["sender"] for r in anchor_rejected(n)} == {poisoned}
+        # as in test_faulty_peers_are_excluded_and_model_stays_finite: an honest peer far from the other may
+        # be clipped now and then (CI: b clipped a to 0.39 in a round of the two of them, a having trained
+        # alone first), never for an anchor, and never banned
+        honest = [r for r in bad if r["sender"] != poisoned]
+        assert all(r["reason"].startswith("clipped") for r in honest) and len(honest) <= 2, honest
+        assert not {r["sender"] for r in swarm.events(n, "banned")} - {poisoned}, swarm.events(n, "banned")
         outer = swarm.events(n, "outer")
         assert all(math.isfinite(r["eval_loss"]) for r in outer)
         assert outer[-1]["eval_loss"] < math.log(256) - 1.0
