@@ -455,7 +455,24 @@ class CountingAllReduceRunner(AllReduceRunner):
         return _CountingStub(super()._get_peer_stub(peer), self)
 
     def _generate_input_for_peer(self, peer_index: int):
-        return self._count(super()._generate_input_for_peer(peer_index), "sent")
+        return self._count(self._parts_then_hold(peer_index), "sent")
+
+    async def _parts_then_hold(self, peer_index: int):
+        """Our parts for one reducer, then the end of the stream only once its replies are all in. The
+        reducer ends its side on our end-of-stream, which used to be queued before its last reply was
+        even computed: it closed the stream right after sending that reply, and in ~0.5% of streams
+        the reply was lost between the two p2pd daemons. Our round then lacked a part and the whole
+        group discarded the round (docs/scale.md, "8 peers, paced"). A client-mode sender gets its
+        replies only after its stream ends: it does not hold."""
+        async for message in super()._generate_input_for_peer(peer_index):
+            yield message
+        if self.should_delay_results(self.peer_id):
+            return
+        container, loop = self.tensor_part_container, asyncio.get_event_loop()
+        deadline = loop.time() + (self.reducer_timeout or 10.0)
+        while (container._outputs_registered_by_peer[peer_index] < container.num_parts_by_peer[peer_index]
+               and not container.finished.is_set() and loop.time() < deadline):
+            await asyncio.sleep(0.005)
 
     async def rpc_aggregate_part(self, stream, context):
         self._serving += 1
