@@ -116,7 +116,32 @@ def cmd_join(args: argparse.Namespace) -> int:
     return 0
 
 
+def _test_clock_step() -> None:
+    """Tests and benchmarks only: P2PDILOCO_TEST_CLOCK_STEP="PATH:S" steps the wall clock of this
+    process S seconds once the file PATH exists (looked for every 0.1 s), as NTP or a suspended
+    machine does (every peer of a run on this machine stepped 16 s forward once), the monotonic
+    clock untouched. Set before hivemind is imported, so that its DHT times step too, and inherited
+    by the DHT and averager processes, which look for the file themselves."""
+    spec = os.environ.get("P2PDILOCO_TEST_CLOCK_STEP", "")
+    if not spec:
+        return
+    import time
+
+    path, _, step = spec.rpartition(":")
+    step = float(step)
+    real, seen = time.time, {"stepped": False, "next": 0.0}
+
+    def stepped() -> float:
+        now = real()
+        if not seen["stepped"] and now >= seen["next"]:
+            seen["stepped"], seen["next"] = os.path.exists(path), now + 0.1
+        return now + step if seen["stepped"] else now
+
+    time.time = stepped
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    _test_clock_step()
     args = build_parser().parse_args(argv)
     try:
         if args.command == "join":

@@ -282,7 +282,8 @@ class SwarmRounds:
         line = late = None
         if self.clock is not None:  # our due time and speed: the group derives its next due time from them
             line = self._enter_line()
-            gather.update(self.clock.announce(now=time.time(), inner_step=self.inner_step, swarm_size=self.swarm_size))
+            gather.update(self.clock.announce(now=time.time(), inner_step=self.inner_step, swarm_size=self.swarm_size,
+                                              mono=time.monotonic()))
             late = time.time() - gather["due"]
         if cfg.full_groups:  # everyone live (or our whole line) is expected: the group forms once they are all in
             live = self._full_group()

@@ -429,7 +429,7 @@ class Peer(SwarmRounds):
         self.lead_steps, self.lead_s, self.last_wait_s = 0, 0.0, None  # matchmaking_lead (outer.py)
         if self.cfg.schedule and not self.cfg.sync_rounds:
             self.clock = schedule.Clock(inner_steps=self.cfg.inner_steps, now=time.time(), inner_step=self.inner_step,
-                                        window=self.cfg.matchmaking_time,
+                                        window=self.cfg.matchmaking_time, mono=time.monotonic(),
                                         group_size=self.cfg.target_group_size if self.cfg.grid else 0)
             if self.cfg.initial_peers and self.leader:  # a joiner enters the swarm's phase at its first round
                 self._check_swarm_outer_step()
@@ -528,7 +528,8 @@ class Peer(SwarmRounds):
 
         # --- every inner_steps steps: hand the pseudo-gradient to a background round ----
         if self.pending is None:
-            enter = self.clock.should_enter(now=time.time(), inner_step=self.inner_step) if self.clock else None
+            enter = (self.clock.should_enter(now=time.time(), inner_step=self.inner_step, mono=time.monotonic())
+                     if self.clock else None)
             if enter is None:  # no schedule (yet): every inner_steps steps
                 enter = self.steps_since_round >= self.due_steps - self.lead_steps
             if enter:

@@ -26,6 +26,10 @@ hivemind.Optimizer schedules the same way from the swarm's published progress
 (`hivemind/optim/progress_tracker.py`: peers publish samples and speed, estimate when the swarm's
 next epoch is due and start matchmaking ahead of it). Due times are wall-clock (`time.time()`),
 like hivemind's `get_dht_time()`: peers' clocks must agree to a fraction of the period (NTP does).
+Durations are not: a peer's speed is measured on its monotonic clock (`mono`), so that a step of the
+wall clock (NTP, a suspended machine: 16 s forward on every peer of a run here) neither reads as a
+slow swarm nor sets a period 10x too long; and over at least half of H steps, so that a round entered
+just after a late one does not set the period from a handful of steps and the round's overhead.
 
     >>> clock = Clock(inner_steps=50, now=0.0, inner_step=0)
     >>> clock.should_enter(now=1.0, inner_step=50) is None  # no schedule yet: the trainer counts steps
@@ -38,12 +42,15 @@ like hivemind's `get_dht_time()`: peers' clocks must agree to a fraction of the 
 
 from __future__ import annotations
 
+import collections
 import math
 import statistics
 from typing import Optional
 
 from p2pdiloco import grid
 
+SPEED_SPAN = 0.5  # the speed is measured over at least this share of inner_steps (our earlier entries)
+SPEED_MARKS = 8   # entries remembered for that
 PHASE_TOLERANCE = 0.1  # due times closer than this share of the period are one phase ...
 # ... and closer than this share of the matchmaking window: peers further apart than that enter too far
 # apart to meet in one window. Paced peers (a period of 65 s, docs/benchmarks.md) were 3.5 s out of
@@ -119,7 +126,7 @@ class Clock:
     """
 
     def __init__(self, *, inner_steps: int, now: float, inner_step: int, window: float = math.inf,
-                 group_size: int = 0):
+                 group_size: int = 0, mono: Optional[float] = None):
         self.inner_steps = inner_steps  # H: a peer of the group's median speed contributes this many steps
         self.group_size = group_size    # > 1: past this many live peers, groups are lines of a grid (grid.py)
         self.round = 0                  # the swarm's round number: which dimension of the grid groups peers
@@ -130,37 +137,49 @@ class Clock:
         self.due: Optional[float] = None      # wall-clock time of our next entry
         self.period: Optional[float] = None   # seconds between the swarm's rounds
         self.in_phase = False                 # False: take the swarm's phase at the next progress read
-        self._entered = (now, inner_step)     # our last entry (or the start): the speed is measured from it
+        # (monotonic time, inner step) of our last entries (and the start): the speed is measured from them
+        self._marks = collections.deque([(now if mono is None else mono, inner_step)], maxlen=SPEED_MARKS)
 
-    def should_enter(self, *, now: float, inner_step: int) -> Optional[bool]:
+    def should_enter(self, *, now: float, inner_step: int, mono: Optional[float] = None) -> Optional[bool]:
         """Enter matchmaking now? At the due time (half a step early: the step boundary nearest to
         it). None without a schedule: the trainer enters every inner_steps steps, as without one.
         A due time missed by more than half a period (a round that ran long, a freeze) moves to the
         nearest one: rounds that catch up in a burst would each apply a whole outer step to a
-        few steps' pseudo-gradient."""
+        few steps' pseudo-gradient. One more than a period and a half ahead (the wall clock stepped
+        back) moves back by whole periods: nobody waits out the step."""
         if self.due is None:
             return None
         missed = round((now - self.due) / self.period) if self.period else 0
         if missed >= 1:  # late by over half a period (a round that ran long, a freeze): the nearest due, no burst
             self.due += missed * self.period
             self.round += missed
-        speed = self.speed(now=now, inner_step=inner_step)
+        elif self.period and self.due - now > 1.5 * self.period:
+            self.due -= math.floor((self.due - now) / self.period - 0.5) * self.period
+        speed = self.speed(inner_step=inner_step, mono=now if mono is None else mono)
         return now >= self.due - (0.5 / speed if speed else 0.0)
 
-    def speed(self, *, now: float, inner_step: int) -> Optional[float]:
-        """Our inner steps per second since our last entry (everything included: rounds, evaluations)."""
-        t0, step0 = self._entered
-        return (inner_step - step0) / (now - t0) if inner_step > step0 and now > t0 else None
+    def speed(self, *, inner_step: int, mono: float) -> Optional[float]:
+        """Our inner steps per second (everything included: rounds, evaluations) since our last entry,
+        or since an earlier one when fewer than SPEED_SPAN x inner_steps steps lie behind it; mono is
+        the monotonic clock the entries were marked with."""
+        span = max(1, math.ceil(SPEED_SPAN * self.inner_steps))
+        t0, step0 = self._marks[0]  # the oldest, unless a later one has enough steps behind it
+        for t, step in reversed(self._marks):
+            if inner_step - step >= span:
+                t0, step0 = t, step
+                break
+        return (inner_step - step0) / (mono - t0) if inner_step > step0 and mono > t0 else None
 
-    def announce(self, *, now: float, inner_step: int, swarm_size: int = 1) -> dict:
+    def announce(self, *, now: float, inner_step: int, swarm_size: int = 1, mono: Optional[float] = None) -> dict:
         """What our round's gather carries: the due time we entered for (now, without a schedule),
-        our speed since our last entry, the round number and the grid's dimensions we propose for
-        the swarm we see. Marks this entry."""
-        speed = self.speed(now=now, inner_step=inner_step)
+        our speed (`speed`), the round number and the grid's dimensions we propose for the swarm we
+        see. Marks this entry."""
+        mono = now if mono is None else mono
+        speed = self.speed(inner_step=inner_step, mono=mono)
         self.last_speed = speed if speed is not None else self.last_speed
         fields = {"due": self.due if self.due is not None else now, "speed": speed, "round": self.round,
                   "dims": grid.dims_for(swarm_size, self.group_size)}
-        self._entered = (now, inner_step)
+        self._marks.append((mono, inner_step))
         return fields
 
     def after_round(self, members: list[dict], *, full: bool) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import signal
 import statistics
 import sys
@@ -256,7 +257,7 @@ def _io_bytes(pid: int) -> int:
 
 def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, data: str = "",
               target_group: int = 0, use_grid: bool = True, legacy_dht: str = "", total_steps: int = 0,
-              steps: int = 0) -> dict:
+              steps: int = 0, clock_step: Optional[tuple[float, float]] = None) -> dict:
     """`size` tiny peers start together through a bootstrap node, paced by --slowdown so that 16 fit
     on 2 cores, and train for `duration` s. Per peer: group sizes, the share of rounds that held
     every live peer (or, with a grid, a whole line of it), inner steps per contribution, applied
@@ -272,7 +273,11 @@ def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, dat
     if data:
         flags = [*flags, "--data", data]
     names = [f"p{i:02d}" for i in range(size)]
-    env = {"P2PDILOCO_LEGACY_DHT": legacy_dht} if legacy_dht else None
+    env = {"P2PDILOCO_LEGACY_DHT": legacy_dht} if legacy_dht else {}
+    step_file = workdir / "clock-step"  # its appearance steps every peer's wall clock (cli._test_clock_step)
+    step_file.unlink(missing_ok=True)
+    if clock_step:
+        env["P2PDILOCO_TEST_CLOCK_STEP"] = f"{step_file}:{clock_step[1]}"
     with LocalSwarm(workdir, config=preset, extra_args=flags, env=env) as swarm:
         swarm.start_bootstrap()
         boot = swarm.maddr("boot")
@@ -280,7 +285,7 @@ def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, dat
             swarm.spawn(name, [sys.executable, "-m", "p2pdiloco", "join", "--config", preset, "--log-dir",
                                str(workdir / name), "--maddrs-file", str(workdir / f"{name}.maddrs"), *flags,
                                "--initial-peers", boot])
-        t0 = time.time()
+        t0, launched = time.time(), time.monotonic()
         swarm.wait_for(lambda: all(swarm.events(n, "inner") for n in names), timeout=240 + 10 * size,
                        what="every peer trains")
         t_trained = time.time()
@@ -294,7 +299,9 @@ def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, dat
                     seen = (_io_bytes(pid), len(swarm.events(name, "outer")), time.monotonic())
                     first.setdefault(name, seen)
                     last[name] = seen
-            time.sleep(5.0)
+            if clock_step and not step_file.exists() and time.monotonic() >= launched + clock_step[0]:
+                step_file.touch()
+            time.sleep(1.0 if clock_step and not step_file.exists() else 5.0)
         exit_codes = swarm.stop_all(timeout=30.0)
         outer = {n: swarm.events(n, "outer") for n in names}
         failed = {n: swarm.events(n, "round_failed") for n in names}
@@ -305,6 +312,7 @@ def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, dat
                if n in last and last[n][2] > first[n][2]]
     return {"peers": size, "slowdown": slowdown, "duration_s": duration, "start_s": t_trained - t0,
             "target_group_size": target, "grid": use_grid, "legacy_dht": legacy_dht, "steps": steps,
+            "clock_step": clock_step,
             **swarm_stats(outer, failed, finals, size=size, target=target, duration=duration),
             "dht_kb_per_peer_round": statistics.median(dht) / 1e3 if dht else None,
             "dht_kb_per_peer_min": statistics.median(dht_min) / 1e3 if dht_min else None, "exit_codes": exit_codes}
@@ -341,6 +349,7 @@ def swarm_stats(outer: dict, failed: dict, finals: dict, *, size: int, target: i
         "full_share_settled": sum(g >= line for g in settled) / len(settled) if settled else None,
         "alone_share": alone / entries if entries else None,
         "steps_median": statistics.median(steps) if steps else None,
+        "steps_max": steps[-1] if steps else None,  # a stalled schedule: contributions of many times H
         "steps_within_10pct": (sum(abs(x - inner_steps) <= 0.1 * inner_steps for x in steps) / len(steps)
                                if steps else None),
         "spread_median": statistics.median(v for _, v in spread) if spread else None,
@@ -410,7 +419,7 @@ def _half(series: list[tuple[float, float]], which: int) -> Optional[float]:
 
 def print_swarm(results: list[dict]) -> None:
     print(f"{'peers':>5} {'group':>5} {'grid':>4} {'group mean':>10} {'max':>4} {'full':>5} {'settled':>7} "
-          f"{'alone':>5} {'H +-10%':>7} "
+          f"{'alone':>5} {'H +-10%':>7} {'max steps':>9} "
           f"{'rounds/min':>10} {'min':>5} {'round s':>8} {'p90':>6} {'failed':>6} {'applied':>7} "
           f"{'spread':>8} {'1st half':>8} {'2nd half':>8} {'eval':>6} {'DHT kB/peer/round':>18} {'/min':>7} "
           f"{'start s':>8}")
@@ -419,6 +428,7 @@ def print_swarm(results: list[dict]) -> None:
               f"{_num(r['group_size_mean'], 1):>10} {_num(r['group_size_max'], 0):>4} "
               f"{_num(r.get('full_share'), 2):>5} {_num(r.get('full_share_settled'), 2):>7} "
               f"{_num(r.get('alone_share'), 2):>5} {_num(r.get('steps_within_10pct'), 2):>7} "
+              f"{_num(r.get('steps_max'), 0):>9} "
               f"{r['rounds_per_min_median']:>10.1f} {r['rounds_per_min_min']:>5.1f} {_num(r['round_s_median'], 2):>8} "
               f"{_num(r['round_s_p90'], 2):>6} {r['failed_rounds']:>6} {r['applied_rounds']:>7} "
               f"{_num(r.get('spread_median'), 5):>8} {_num(r.get('spread_first_half'), 5):>8} "
@@ -528,6 +538,8 @@ def main(argv=None) -> int:
     sweep.add_argument("--rescore", action="store_true",
                        help="recompute the table of the runs in --out from their metrics files (runs nothing)")
     sweep.add_argument("--no-grid", action="store_true", help="groups of whoever is ready, no rotating grid")
+    sweep.add_argument("--clock-step", default="", metavar="AT:SECONDS",
+                       help="step every peer's wall clock SECONDS (forward; negative: back) AT s after their launch")
     sweep.add_argument("--legacy-dht", default="", help="put back hivemind's DHT cache (cache), a progress store "
                                                         "every log interval (stores) and/or its beam of 20 nodes "
                                                         "holding 5 copies (beam), comma-separated")
@@ -545,6 +557,14 @@ def main(argv=None) -> int:
         parser.error("--sources must be 1..8, --repeats 1..10, --rate-mbit >= 0")
     if args.mode == "join" and args.manifest_only and not (Path(args.data) / "manifest.json").is_file():
         parser.error("--manifest-only needs --data DIR, a directory made by `p2pdiloco prepare`")
+    clock_step = None
+    if args.mode == "swarm" and args.clock_step:
+        try:
+            clock_step = tuple(float(x) for x in args.clock_step.split(":"))
+        except ValueError:
+            clock_step = ()
+        if len(clock_step) != 2 or not all(map(math.isfinite, clock_step)) or clock_step[0] < 0:
+            parser.error(f"--clock-step takes AT:SECONDS (AT >= 0), got {args.clock_step!r}")
     from chaos import _terminate
     signal.signal(signal.SIGTERM, _terminate)  # SIGTERM unwinds through the finallys that stop the peers
     out = Path(args.out or tempfile.mkdtemp(prefix="p2pdiloco-scale-"))
@@ -560,7 +580,7 @@ def main(argv=None) -> int:
     elif args.mode == "swarm":
         result = [run_swarm(n, args.duration, out / f"swarm-{n}", slowdown=args.slowdown, data=args.data,
                             target_group=args.target_group, use_grid=not args.no_grid, legacy_dht=args.legacy_dht,
-                            total_steps=args.total_steps, steps=args.steps)
+                            total_steps=args.total_steps, steps=args.steps, clock_step=clock_step)
                   for n in args.sizes]
         print_swarm(result)
         if args.plot:

@@ -163,6 +163,39 @@ def test_a_due_time_missed_by_over_half_a_period_moves_to_the_nearest():
     assert clock.due == pytest.approx(12.0)
 
 
+def test_a_step_of_the_wall_clock_does_not_set_the_period():
+    """The wall clock of every peer of a run stepped 16 s forward (an 8-peer run on this machine): the
+    speeds measured on it read 5x too slow and the next round came 36 s later, H = 30 at 8 steps/s.
+    Durations come from the monotonic clock; due times stay on the wall clock."""
+    clock = Clock(inner_steps=30, now=1000.0, inner_step=0, mono=0.0)
+    gather = clock.announce(now=1004.0, inner_step=30, mono=4.0)
+    assert gather["speed"] == pytest.approx(7.5)
+    clock.after_round([gather] * 2, full=True)
+    assert (clock.due, clock.period) == pytest.approx((1008.0, 4.0))
+    # 16 s forward on the wall clock, 4 s on the monotonic one
+    assert clock.should_enter(now=1024.0, inner_step=60, mono=8.0)   # 4 periods on: the nearest due, no burst
+    assert clock.due == pytest.approx(1024.0)
+    gather = clock.announce(now=1024.0, inner_step=60, mono=8.0)
+    assert gather["speed"] == pytest.approx(7.5)                       # not 30 steps / 20 s
+    clock.after_round([gather] * 2, full=True)
+    assert clock.period == pytest.approx(4.0)
+    # and 16 s back: the due time comes back by whole periods, nobody waits out the step
+    assert not clock.should_enter(now=1010.0, inner_step=70, mono=9.5)
+    assert clock.due == pytest.approx(1012.0) and clock.period == pytest.approx(4.0)
+    assert clock.should_enter(now=1012.0, inner_step=90, mono=11.5)
+
+
+def test_a_round_just_after_a_late_one_measures_the_speed_over_more_steps():
+    """A round entered late lands and the next due time comes 2 s later: 4 steps and the round's own
+    overhead would set the swarm's period; the speed spans at least H/2 steps of our earlier entries."""
+    clock = Clock(inner_steps=30, now=0.0, inner_step=0)
+    clock.announce(now=4.0, inner_step=30)
+    gather = clock.announce(now=6.0, inner_step=34)
+    assert gather["speed"] == pytest.approx(34 / 6.0)                 # since the start, not 4 steps / 2 s
+    gather = clock.announce(now=10.0, inner_step=64)
+    assert gather["speed"] == pytest.approx(30 / 4.0)                 # 30 >= 15 steps since the last entry
+
+
 # ------------------------------------------------------------------ 4 real peers on a schedule
 
 def _full_rounds(outer: list, size: int) -> float:
@@ -206,3 +239,31 @@ def test_four_peers_meet_on_the_schedule_and_survivors_keep_it_after_a_kill(tmp_
             after = swarm.events(name, "outer")[killed_at[name]:]
             # the survivors stay in one phase: no round of 2 among 3 live peers once d's record expired
             assert all(r["group_size"] == 3 for r in after if r.get("swarm_size") == 3), after
+
+
+@pytest.mark.timeout(240)
+def test_a_step_of_every_peers_wall_clock_does_not_stall_the_rounds(tmp_path, corpus):
+    """3 real peers; after 3 rounds every peer's wall clock steps 16 s forward (its DHT and averager
+    processes too; cli._test_clock_step), as a suspended machine's does. A speed measured on the wall
+    clock read 5x too slow and set a period 5-16x too long: 8 peers on this machine once made no round
+    for 45 s and then contributed 489 steps of H = 30 (docs/scale.md, "A step of the wall clock")."""
+    from p2pdiloco.localswarm import LocalSwarm
+    from tests.conftest import TINY
+
+    H, names, step_file = 30, "abc", tmp_path / "clock-step"
+    with LocalSwarm(tmp_path, config=TINY, env={"P2PDILOCO_TEST_CLOCK_STEP": f"{step_file}:16"},
+                    extra_args=["--data", str(corpus), "--inner-steps", str(H), "--target-group-size", "3",
+                                "--wait-for-peers", "3", "--eval-every", "4", "--slowdown", "4"]) as swarm:
+        swarm.start_bootstrap("boot")
+        for name in names:
+            swarm.start(name, join="boot")
+        swarm.wait_for(lambda: all(len(swarm.events(n, "outer")) >= 3 for n in names), timeout=120,
+                       what="3 outer steps on every peer")
+        before = {n: len(swarm.events(n, "outer")) for n in names}
+        step_file.touch()
+        swarm.wait_for(lambda: all(len(swarm.events(n, "outer")) >= before[n] + 5 for n in names), timeout=90,
+                       what="5 more outer steps on every peer")
+        for name in names:
+            after = swarm.events(name, "outer")[before[name]:before[name] + 5]
+            steps = [r["tokens"] / (16 * 64) for r in after]
+            assert max(steps) <= 2.5 * H, steps
