@@ -17,12 +17,23 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from p2pdiloco.metrics import read_metrics
+
+# Set by a benchmark's SIGTERM handler (scripts/bench.py), whose swarms wait in worker threads that a
+# signal does not reach: every wait below, and the baselines' loops (`raise_if_stopping`), then raise
+# KeyboardInterrupt, and each thread unwinds through the `with` or `finally` that stops its peers.
+STOPPING = threading.Event()
+
+
+def raise_if_stopping() -> None:
+    if STOPPING.is_set():
+        raise KeyboardInterrupt("stopping: SIGTERM")
 
 
 @dataclass
@@ -80,6 +91,7 @@ class LocalSwarm:
         path = self.peers[name].maddrs_file
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            raise_if_stopping()
             if path.exists() and path.read_text().strip():
                 return path.read_text().split()[0]
             if self.peers[name].proc.poll() is not None:
@@ -138,6 +150,7 @@ class LocalSwarm:
     def wait_for(self, condition: Callable[[], bool], timeout: float, what: str = "condition") -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            raise_if_stopping()
             if condition():
                 return
             time.sleep(0.25)

@@ -52,6 +52,7 @@ from ddp_baseline import run_ddp  # noqa: E402
 from hivemind_baseline import run_hivemind  # noqa: E402
 from netns import HOST_IF, Namespaces, available  # noqa: E402
 
+from p2pdiloco import localswarm  # noqa: E402
 from p2pdiloco.localswarm import LocalSwarm  # noqa: E402
 from p2pdiloco.metrics import read_metrics  # noqa: E402
 
@@ -815,9 +816,16 @@ def bare_loops(count: int, steps: int, overrides: dict, preset: str = PRESET) ->
             cmd = [sys.executable, __file__, "_bare", "--steps", str(steps), "--seed", str(i),
                    "--overrides", json.dumps(overrides), "--preset", preset]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        results = []
+        results, deadline = [], time.monotonic() + 600
         for p in procs:
-            out, err = p.communicate(timeout=600)
+            while True:  # a second at a time: bench.py's SIGTERM may come (localswarm.STOPPING)
+                localswarm.raise_if_stopping()
+                try:
+                    out, err = p.communicate(timeout=1.0)
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() > deadline:
+                        raise
             if p.returncode != 0:
                 raise RuntimeError(f"bare loop failed: {err[-600:]}")
             results.append(json.loads(out.strip().splitlines()[-1]))
@@ -947,6 +955,29 @@ def main(argv=None) -> int:
     results = json.loads(results_path.read_text()) if results_path.exists() else {"by_seed": {}}
     results.update(size=size.__dict__, machine=machine())
     failures = []
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        run_all(args, out, size, names, results, failures, variants=variants, extra=extra)
+    except KeyboardInterrupt:  # SIGTERM or Ctrl-C: every run's peers are stopped by now
+        print(f"bench: stopped; the results so far are in {results_path}", file=sys.stderr)
+        return 1
+    print(report(results, out))
+    plots = plot(results, out)
+    print(f"bench: results.json, results.md{''.join(', ' + p for p in plots)} in {out}")
+    for failure in failures:
+        print(f"bench: FAILED {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def _terminate(signum, frame):
+    """SIGTERM: the swarms that wait in worker threads (Bench.many) stop too (localswarm.STOPPING),
+    and every run unwinds through the `with` or `finally` that stops its peers."""
+    localswarm.STOPPING.set()
+    raise KeyboardInterrupt
+
+
+def run_all(args, out: Path, size, names, results: dict, failures: list, *, variants, extra) -> None:
+    results_path = out / "results.json"
     for seed in range(args.seed, args.seed + args.repeat):
         bench = Bench(out, size, seed=seed, data=args.data, variants=variants, extra=extra, baselines=args.baselines)
         for name in names:
@@ -961,12 +992,6 @@ def main(argv=None) -> int:
             results["by_seed"].setdefault(str(seed), {})[name] = result
             results_path.write_text(json.dumps(results, indent=1))
             print(f"bench: {name} (seed {seed}) done in {result['bench_s']:.0f}s", flush=True)
-    print(report(results, out))
-    plots = plot(results, out)
-    print(f"bench: results.json, results.md{''.join(', ' + p for p in plots)} in {out}")
-    for failure in failures:
-        print(f"bench: FAILED {failure}", file=sys.stderr)
-    return 1 if failures else 0
 
 
 def machine() -> dict:

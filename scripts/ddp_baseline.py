@@ -144,6 +144,7 @@ def run_ddp(workdir, *, world_size: int, config: str, steps: int, overrides: dic
     for all of them. Returns {"final": rank 0's final record, "ranks": [each rank's records],
     "wall_s": launcher seconds, "pids": worker pids (all reaped)}. Raises RuntimeError with the failing
     rank's stderr tail (WORKDIR/rankN.stderr) if one fails, or after `timeout` s; all workers are killed."""
+    from p2pdiloco.localswarm import raise_if_stopping
     from p2pdiloco.metrics import read_metrics
 
     workdir = Path(workdir)
@@ -171,6 +172,7 @@ def run_ddp(workdir, *, world_size: int, config: str, steps: int, overrides: dic
                 procs.append(subprocess.Popen(prefix + cmd, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
                                               start_new_session=True))
         while any(p.poll() is None for p in procs):
+            raise_if_stopping()  # bench.py's SIGTERM (this loop may run in a worker thread)
             # one failed rank leaves the others blocked in gloo until its timeout: fail fast instead
             for rank, p in enumerate(procs):
                 if p.returncode not in (None, 0):

@@ -262,7 +262,7 @@ def run_hivemind(workdir, *, peers: int, config: str, steps: int, inner_steps: i
     "killed": the killed rank or None}. Raises RuntimeError with the failing rank's stderr tail
     (WORKDIR/rankN.stderr) if a rank that was not killed fails, or after `timeout` s; whatever is left
     of every rank's process group is killed in the end."""
-    from p2pdiloco.localswarm import kill_group
+    from p2pdiloco.localswarm import kill_group, raise_if_stopping
     from p2pdiloco.metrics import read_metrics
 
     workdir = Path(workdir)
@@ -310,12 +310,14 @@ def run_hivemind(workdir, *, peers: int, config: str, steps: int, inner_steps: i
                 procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
                                               start_new_session=True))
             while rank == 0 and not maddrs_file.exists():  # the others join through rank 0's DHT
+                raise_if_stopping()
                 procs[0].poll()
                 check(0, procs[0])
                 if procs[0].returncode is not None:
                     raise RuntimeError(f"hivemind rank 0 exited before its DHT was up:\n{_stderr_tail(workdir, 0)}")
                 time.sleep(0.1)
         while any(p.poll() is None for p in procs):
+            raise_if_stopping()  # bench.py's SIGTERM (this loop may run in a worker thread)
             if kill and killed is None and procs[kill_rank].poll() is None:
                 if due(kill_rank):
                     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -208,3 +209,61 @@ def test_byzantine_study_runs_at_quick_size(tmp_path, corpus):
     for name, run in runs.items():
         assert again["runs"][name]["settled_eval"] == pytest.approx(run["settled_eval"]), name
     assert [c["met"] for c in again["checks"]] == [c["met"] for c in study["checks"]]
+
+
+def _peer_groups(out: Path) -> set[int]:
+    """Process groups of the `p2pdiloco join` processes whose logs go under `out` (each leads its group)."""
+    groups = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+        if "p2pdiloco join" in cmd and str(out) in cmd:
+            groups.add(int(entry.name))
+    return groups
+
+
+@pytest.mark.timeout(180)
+def test_a_sigterm_stops_every_swarm_of_a_benchmark(tmp_path, corpus):
+    """bench.py runs its swarms in worker threads, which a signal does not reach: on SIGTERM every
+    thread's swarm stops its peers (localswarm.STOPPING), and nothing of them is left: no trainer, no
+    DHT or averager process, no p2pd (all in the peers' process groups)."""
+    import signal
+    import time
+
+    from p2pdiloco.localswarm import group_members
+
+    out = tmp_path / "bench"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "bench.py"), "ablation", "--quick",
+                             "--variants", "all", "--no-baselines", "--out", str(out), "--data", str(corpus)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    groups: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:  # both swarms (H and 2H) up, 2 peers each
+            groups |= _peer_groups(out)
+            if len(groups) >= 4 and len(list(out.glob("runs/*/*/metrics.jsonl"))) >= 4:
+                break
+            time.sleep(0.5)
+        assert len(groups) >= 4 and proc.poll() is None, (groups, proc.poll())
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        stopped_s = time.monotonic() - t0
+        time.sleep(1.0)  # a process group's last members may take a moment to exit after the script
+        left = {pgid: group_members(pgid) for pgid in groups}  # before the cleanup below
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for pgid in groups:  # whatever the script left (it should leave nothing)
+            for pid in group_members(pgid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    assert not any(left.values()), left
+    assert proc.returncode == 1 and "bench: stopped" in err, (proc.returncode, err[-2000:])
+    assert stopped_s <= 30, stopped_s  # the peers honour SIGTERM within 10 s; LocalSwarm waits up to 15
+    assert "Traceback" not in err, err[-2000:]
