@@ -145,8 +145,8 @@ class Clock:
         it). None without a schedule: the trainer enters every inner_steps steps, as without one.
         A due time missed by more than half a period (a round that ran long, a freeze) moves to the
         nearest one: rounds that catch up in a burst would each apply a whole outer step to a
-        few steps' pseudo-gradient. One more than a period and a half ahead (the wall clock stepped
-        back) moves back by whole periods: nobody waits out the step."""
+        few steps' pseudo-gradient. A due time more than a period and a half ahead (the wall clock
+        stepped back) moves back by whole periods: nobody waits out the step."""
         if self.due is None:
             return None
         missed = round((now - self.due) / self.period) if self.period else 0
