@@ -35,6 +35,8 @@ import argparse
 import contextlib
 import json
 import math
+import os
+import shutil
 import signal
 import statistics
 import sys
@@ -257,7 +259,7 @@ def _io_bytes(pid: int) -> int:
 
 def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, data: str = "",
               target_group: int = 0, use_grid: bool = True, legacy_dht: str = "", total_steps: int = 0,
-              steps: int = 0, clock_step: Optional[tuple[float, float]] = None) -> dict:
+              steps: int = 0, clock_step: Optional[tuple[float, float]] = None, dht_breakdown: bool = False) -> dict:
     """`size` tiny peers start together through a bootstrap node, paced by --slowdown so that 16 fit
     on 2 cores, and train for `duration` s. Per peer: group sizes, the share of rounds that held
     every live peer (or, with a grid, a whole line of it), inner steps per contribution, applied
@@ -278,6 +280,13 @@ def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, dat
     step_file.unlink(missing_ok=True)
     if clock_step:
         env["P2PDILOCO_TEST_CLOCK_STEP"] = f"{step_file}:{clock_step[1]}"
+    counts = workdir / "dhtcount"  # scripts/dhtcount/sitecustomize.py writes there
+    if dht_breakdown:
+        shutil.rmtree(counts, ignore_errors=True)
+        counts.mkdir(parents=True)
+        env["DHTCOUNT_DIR"] = str(counts)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "scripts" / "dhtcount"),
+                                                          os.environ.get("PYTHONPATH", "")]))
     with LocalSwarm(workdir, config=preset, extra_args=flags, env=env) as swarm:
         swarm.start_bootstrap()
         boot = swarm.maddr("boot")
@@ -313,9 +322,38 @@ def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, dat
     return {"peers": size, "slowdown": slowdown, "duration_s": duration, "start_s": t_trained - t0,
             "target_group_size": target, "grid": use_grid, "legacy_dht": legacy_dht, "steps": steps,
             "clock_step": clock_step,
+            **({"dht_breakdown": dht_bytes_by_key(counts)} if dht_breakdown else {}),
             **swarm_stats(outer, failed, finals, size=size, target=target, duration=duration),
             "dht_kb_per_peer_round": statistics.median(dht) / 1e3 if dht else None,
             "dht_kb_per_peer_min": statistics.median(dht_min) / 1e3 if dht_min else None, "exit_codes": exit_codes}
+
+
+def dht_bytes_by_key(counts: Path) -> dict:
+    """What the DHT nodes of a run served (scripts/dhtcount/sitecustomize.py): bytes of RPC payload
+    (request + response protobufs, each RPC counted once, where it was served) by RPC and by kind of
+    key, over the whole run, start-up included."""
+    names, served, calls = {}, {}, {}
+    for path in counts.glob("*.json"):
+        try:
+            found = json.loads(path.read_text())
+        except (OSError, ValueError):  # a process killed mid-write leaves only its .tmp
+            continue
+        names.update({key_id: name for name, key_id in found["names"].items()})
+        for key, n in found["bytes"].items():
+            served[key] = served.get(key, 0.0) + n
+        for rpc, n in found["calls"].items():
+            calls[rpc] = calls.get(rpc, 0) + n
+    kinds = (("_progress", "progress records"), ("_verdict_", "verdicts"), ("_check_", "reducer checks"),
+             (".all_averagers", "state sharing"), (".0b", "matchmaking (group keys)"), ("_members", "run membership"),
+             ("_configs", "run config"), ("p2pdiloco_peers", "run config"))
+    by_kind: dict[str, float] = {}
+    for key, n in served.items():
+        rpc, key_id = key.split("|")
+        name = names.get(key_id)
+        kind = ("routing (no key)" if key_id == "-" else "unknown" if name is None
+                else next((k for tag, k in kinds if tag in name), "other"))
+        by_kind[f"{rpc.removeprefix('rpc_')} {kind}"] = by_kind.get(f"{rpc.removeprefix('rpc_')} {kind}", 0.0) + n
+    return {"bytes": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])), "calls": calls}
 
 
 SETTLED_S = 60.0  # rounds this long after the swarm's first one count as settled (no schedule before it)
@@ -437,6 +475,19 @@ def print_swarm(results: list[dict]) -> None:
               f"{r['start_s']:>8.0f}")
 
 
+def print_dht_breakdown(results: list[dict]) -> None:
+    """kB of DHT RPC payload served per applied peer-round, by RPC and kind of key, one column a run."""
+    rows = list(dict.fromkeys(k for r in results for k in r["dht_breakdown"]["bytes"]))
+    print(f"{'DHT RPC kB per peer-round':<40}" + "".join(f"{str(r['peers']) + ' peers':>12}" for r in results))
+    for row in [*rows, "all"]:
+        cells = []
+        for r in results:
+            served = r["dht_breakdown"]["bytes"]
+            n = sum(served.values()) if row == "all" else served.get(row, 0.0)
+            cells.append(f"{n / max(1, r['applied_rounds']) / 1e3:>12.1f}")
+        print(f"{row:<40}" + "".join(cells))
+
+
 def plot_swarm(results: list[dict], path: Path) -> None:
     from p2pdiloco.plot import pyplot
 
@@ -538,6 +589,8 @@ def main(argv=None) -> int:
     sweep.add_argument("--rescore", action="store_true",
                        help="recompute the table of the runs in --out from their metrics files (runs nothing)")
     sweep.add_argument("--no-grid", action="store_true", help="groups of whoever is ready, no rotating grid")
+    sweep.add_argument("--dht-breakdown", action="store_true",
+                       help="count the DHT RPC bytes every node serves, by RPC and kind of key (scripts/dhtcount)")
     sweep.add_argument("--clock-step", default="", metavar="AT:SECONDS",
                        help="step every peer's wall clock SECONDS (forward; negative: back) AT s after their launch")
     sweep.add_argument("--legacy-dht", default="", help="put back hivemind's DHT cache (cache), a progress store "
@@ -580,9 +633,12 @@ def main(argv=None) -> int:
     elif args.mode == "swarm":
         result = [run_swarm(n, args.duration, out / f"swarm-{n}", slowdown=args.slowdown, data=args.data,
                             target_group=args.target_group, use_grid=not args.no_grid, legacy_dht=args.legacy_dht,
-                            total_steps=args.total_steps, steps=args.steps, clock_step=clock_step)
+                            total_steps=args.total_steps, steps=args.steps, clock_step=clock_step,
+                            dht_breakdown=args.dht_breakdown)
                   for n in args.sizes]
         print_swarm(result)
+        if args.dht_breakdown:
+            print_dht_breakdown(result)
         if args.plot:
             plot_swarm(result, Path(args.plot))
     else:

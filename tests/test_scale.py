@@ -72,15 +72,21 @@ def test_a_source_leaves_mid_download_and_a_stop_interrupts_one(tmp_path, corpus
 @pytest.mark.timeout(400)
 def test_swarm_sizes_are_measured_on_a_grid(tmp_path, corpus):
     """4 real peers with target_group_size 2: a 2 x 2 grid (p2pdiloco/grid.py). Groups stay at 2, and
-    each peer meets more than one other (the lines rotate), so every anchor gets everyone's work."""
-    results = [scale.run_swarm(4, 45, tmp_path / "swarm-4", slowdown=4, data=str(corpus), target_group=2)]
+    each peer meets more than one other (the lines rotate), so every anchor gets everyone's work. The
+    DHT's bytes are counted by key as well (--dht-breakdown: scripts/dhtcount)."""
+    results = [scale.run_swarm(4, 45, tmp_path / "swarm-4", slowdown=4, data=str(corpus), target_group=2,
+                               dht_breakdown=True)]
     for r in results:
         assert r["applied_rounds"] > 0 and r["group_size_max"] == 2, r
         assert r["partners_min"] >= 2, r
         assert r["spread_median"] is not None and 0 <= r["spread_median"] < 1, r
         assert r["dht_kb_per_peer_round"] is not None and r["dht_kb_per_peer_round"] > 0, r
         assert all(code == 0 for name, code in r["exit_codes"].items() if name != "boot"), r
+        served = r["dht_breakdown"]["bytes"]  # every kind of key a round and the schedule use was served
+        assert all(served.get(kind, 0) > 0 for kind in ("find progress records", "find matchmaking (group keys)",
+                                                         "find verdicts", "store progress records")), served
     scale.print_swarm(results)
+    scale.print_dht_breakdown(results)
     scale.plot_swarm(results, tmp_path / "swarm.png")
     assert (tmp_path / "swarm.png").stat().st_size > 0
 
