@@ -352,7 +352,8 @@ def dht_bytes_by_key(counts: Path) -> dict:
         name = names.get(key_id)
         kind = ("routing (no key)" if key_id == "-" else "unknown" if name is None
                 else next((k for tag, k in kinds if tag in name), "other"))
-        by_kind[f"{rpc.removeprefix('rpc_')} {kind}"] = by_kind.get(f"{rpc.removeprefix('rpc_')} {kind}", 0.0) + n
+        row = f"{rpc.removeprefix('rpc_')} {kind}"
+        by_kind[row] = by_kind.get(row, 0.0) + n
     return {"bytes": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])), "calls": calls}
 
 
