@@ -210,7 +210,7 @@ class Peer(SwarmRounds):
                 or getattr(getattr(self, "data", None), "claimable", None) is None):
             return
         try:
-            live = swarm.read_progress(self.dht, self.cfg, timeout=self.cfg.request_timeout)
+            live = swarm.read_status(self.dht, self.cfg, timeout=self.cfg.request_timeout)
         except TimeoutError:
             live = {}
         epochs = [r["data"]["epoch"] for r in live.values() if isinstance(r.get("data"), dict)
@@ -384,7 +384,9 @@ class Peer(SwarmRounds):
         """A swarm that starts together: no training until `count` peers of the run are ready to
         train (joined, state loaded), as their first progress records say."""
         self.last_loss = math.nan
-        swarm.publish_progress(self.dht, self.cfg, self._progress_record(0.0))
+        record = self._progress_record(0.0)
+        swarm.publish_progress(self.dht, self.cfg, record)
+        swarm.publish_status(self.dht, self.cfg, record, every=swarm.STATUS_EVERY)
         deadline = time.monotonic() + self.cfg.bootstrap_timeout
         started = 1
         while not self.stop_event.is_set() and time.monotonic() < deadline:
@@ -438,7 +440,8 @@ class Peer(SwarmRounds):
         self._progress_reading = None
         self.pending: Optional[PendingRound] = None
         self.t_start = self._last_log = self._last_step = time.monotonic()
-        self._published_at = -math.inf  # our last progress record
+        self._published_at = self._status_published_at = -math.inf  # our last progress and status records
+        self._status_news = None  # what our last status record said that status must show at once
         self.compute_s = 0.0  # inside forward, backward and the optimizer step: the utilization numerator
         self.data_s = 0.0  # waiting for the next batch
         # in this (the trainer's) thread, handing a round its pseudo-gradient and applying what came back (the
@@ -607,12 +610,20 @@ class Peer(SwarmRounds):
         # our record as often as we read the others' (spaced out in a big swarm): the bytes per peer stay flat
         every = swarm.progress_read_every(self.cfg, self.swarm_size)
         if time.monotonic() - self._published_at >= 0.9 * every or "stores" in swarm.LEGACY_DHT:
-            swarm.publish_progress(self.dht, self.cfg, self._progress_record(tokens_per_s), every=every)
+            record = self._progress_record(tokens_per_s)
+            swarm.publish_progress(self.dht, self.cfg, record, every=every)
             self._published_at = time.monotonic()
+            # and the status record every STATUS_EVERY s, or at once when a ban or an address changed
+            news = (record.get("banned"), record["maddrs"], record["reachability"])
+            if (self._published_at - self._status_published_at >= 0.9 * max(every, swarm.STATUS_EVERY)
+                    or news != self._status_news):
+                swarm.publish_status(self.dht, self.cfg, record, every=max(every, swarm.STATUS_EVERY))
+                self._status_published_at, self._status_news = self._published_at, news
         self._refresh_swarm_outer_step()
 
     def _progress_record(self, tokens_per_s: float) -> dict:
-        """What `status` and `monitor` show of this peer (and what the staleness check reads)."""
+        """What `status` and `monitor` show of this peer: its status record, whose PROGRESS_FIELDS are also
+        its progress record (what the schedule, the grid and the staleness check read)."""
         return {"outer_step": self.outer_step, "inner_step": self.inner_step, "loss": self.last_loss,
                 "tokens_per_s": tokens_per_s, "tokens": self.tokens, "device": self.device_name,
                 "maddrs": self.maddrs[:4], "reachability": self.reach.mode,

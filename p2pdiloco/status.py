@@ -127,7 +127,7 @@ def clean_record(record: dict) -> dict | None:
 
 
 def read_swarm(dht, run_id: str, secret: str = "", *, timeout: float = 10.0) -> list[dict]:
-    """The live peers' latest progress records, sorted by peer id; each with `peer` (its id) and
+    """The live peers' latest records (progress and status), sorted by peer id; each with `peer` (its id) and
     `fingerprint` (its model config's) added. Raises SwarmError for a missing or wrong secret."""
     from p2pdiloco.secret import public_key, secured_prefix, verifier
     from p2pdiloco.swarm import SwarmError, parse_progress
@@ -143,8 +143,11 @@ def read_swarm(dht, run_id: str, secret: str = "", *, timeout: float = 10.0) -> 
     peers: dict[str, dict] = {}
     for fp in fingerprints:
         prefix = secured_prefix(secret, run_id, fp) if secret else f"p2pdiloco_{run_id}_{fp}"
+        # a live peer's progress record (which expires soon after it stops) over its status record (stored
+        # less often: addresses, device, losses; swarm.PROGRESS_FIELDS)
+        details = parse_progress(_get(dht, f"{prefix}_status", timeout))
         for peer, record in parse_progress(_get(dht, f"{prefix}_progress", timeout)).items():
-            record = clean_record(record)
+            record = clean_record({**details.get(peer, {}), **record})
             if record is not None and (peer not in peers or record["time"] > peers[peer]["time"]):
                 peers[peer] = {"peer": peer, "fingerprint": fp, **record}
     return [peers[p] for p in sorted(peers)]

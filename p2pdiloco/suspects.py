@@ -80,7 +80,7 @@ class Suspects:
         return frozenset(peer for peer, until in self.banned_until.items() if until > now)
 
     def record(self) -> dict:
-        """Our current bans for the progress record (`p2pdiloco status` lists the peers banned)."""
+        """Our current bans for the status record (`p2pdiloco status` lists the peers banned)."""
         return {peer: self.reasons.get(peer, "") for peer in sorted(self.banned())}
 
     def sync(self, averager) -> None:

@@ -1,11 +1,13 @@
-"""In the swarm: this peer's addresses, and the small records peers publish in the DHT
-(progress for `status`, the run's config fingerprint, each peer's run). bootstrap.py starts the DHT.
+"""In the swarm: this peer's addresses, and the small records peers publish in the DHT (progress
+for the schedule, status for `status`, the run's config fingerprint, each peer's run). bootstrap.py
+starts the DHT.
 
     >>> dht = bootstrap.start_dht(cfg)        # retries dead initial peers; SwarmError says why none worked
     >>> write_maddrs(dht, "a.txt")
     >>> check_run_config(dht, cfg)            # SwarmError if the run uses another model config
     >>> publish_progress(dht, cfg, {"outer_step": 3, ...})
     >>> records = read_progress(dht, cfg)     # peer id -> latest record, dead peers expire
+    >>> publish_status(dht, cfg, {"outer_step": 3, "maddrs": [...], ...}, every=30.0)
 
 Any hivemind DHT node (e.g. `hivemind-dht`) can serve as an initial peer.
 """
@@ -44,10 +46,10 @@ def peer_id_of(maddr: str) -> Optional[str]:
 
 
 def learned_peers(dht: hivemind.DHT, cfg, timeout: float = 5.0) -> list[str]:
-    """Multiaddrs of the other live peers of the run, from their progress records: a DHT that
+    """Multiaddrs of the other live peers of the run, from their status records: a DHT that
     restarts can bootstrap through them when the initial peers are gone."""
     try:
-        records = read_progress(dht, cfg, timeout=timeout)
+        records = read_status(dht, cfg, timeout=timeout)
     except Exception as e:  # a slow read: the initial peers are all we have then
         logger.debug(f"progress read failed: {e!r}")
         return []
@@ -141,16 +143,40 @@ def member_key(cfg) -> str:
 
 # Benchmark-only (scale.py swarm --legacy-dht): put back hivemind's DHT cache ("cache") or a progress
 # store every log interval whatever the swarm's size ("stores") or Kademlia's beam of 20 ("beam", bootstrap.py),
-# to measure what each change saved
+# or the whole record in the progress key and no status key ("records"), to measure what each change saved
 LEGACY_DHT = set(filter(None, os.environ.get("P2PDILOCO_LEGACY_DHT", "").split(",")))
 
 
+# What the peers read from each other's progress records, every few seconds: the schedule (due, period,
+# round, dims, speed), the grid (cell), the staleness check (outer_step), dynamic inner steps
+# (tokens_per_s); and the numbers `monitor` plots, so that its curves keep the log interval's resolution.
+# A progress read returns all N records, and so does the search of every store of one (a DHT find
+# returns what each node it asks holds), so they hold these fields alone: ~200 bytes against ~425-600
+# with 2-4 multiaddrs. The rest of what `status` shows (addresses, device, data position, bans) is a
+# status record under its own key, stored every STATUS_EVERY seconds and read by `status`, `monitor`,
+# the claims' first epoch and a restarting DHT only (docs/scale.md, "One compact record per peer").
+PROGRESS_FIELDS = ("outer_step", "inner_step", "tokens_per_s", "time", "due", "period", "round", "dims", "speed",
+                   "cell", "loss", "eval_loss", "group_size", "rounds_applied", "rounds_failed")
+STATUS_EVERY = 30.0
+
+
 def publish_progress(dht: hivemind.DHT, cfg, record: dict, every: Optional[float] = None) -> None:
-    """Fire-and-forget: this peer's latest progress, expiring so that dead peers drop out (after
-    three times `every`, the seconds between our stores, and at least 15 s)."""
-    ttl = max(15.0, 3 * (every or cfg.log_interval))
-    dht.store(f"{cfg.dht_prefix}_progress", subkey=str(dht.peer_id), value=record,
-              expiration_time=get_dht_time() + ttl, return_future=True)
+    """Fire-and-forget: this peer's latest progress (record's PROGRESS_FIELDS), expiring so that dead
+    peers drop out (after three times `every`, the seconds between our stores, and at least 15 s)."""
+    if "records" not in LEGACY_DHT:
+        record = {k: record[k] for k in PROGRESS_FIELDS if k in record}
+    _store_record(dht, f"{cfg.dht_prefix}_progress", record, every or cfg.log_interval)
+
+
+def publish_status(dht: hivemind.DHT, cfg, record: dict, every: float) -> None:
+    """Fire-and-forget: this peer's whole record, for `status` (see PROGRESS_FIELDS)."""
+    if "records" not in LEGACY_DHT:  # legacy: the progress record holds it all
+        _store_record(dht, f"{cfg.dht_prefix}_status", record, every)
+
+
+def _store_record(dht: hivemind.DHT, key: str, record: dict, every: float) -> None:
+    dht.store(key, subkey=str(dht.peer_id), value=record, expiration_time=get_dht_time() + max(15.0, 3 * every),
+              return_future=True)
 
 
 PROGRESS_READ_PEERS = 8  # up to this many peers, each reads the progress records every log interval
@@ -165,10 +191,16 @@ def progress_read_every(cfg, swarm_size: int) -> float:
     return min(60.0, cfg.log_interval * max(1.0, swarm_size / PROGRESS_READ_PEERS))
 
 
-def read_progress(dht: hivemind.DHT, cfg, timeout: Optional[float] = None) -> dict[str, dict]:
+def read_progress(dht: hivemind.DHT, cfg, timeout: Optional[float] = None, *, key: str = "progress"
+                  ) -> dict[str, dict]:
     """The live peers' latest progress records (a TimeoutError after timeout seconds)."""
-    future = dht.get(f"{cfg.dht_prefix}_progress", latest=True, return_future=True)
+    future = dht.get(f"{cfg.dht_prefix}_{key}", latest=True, return_future=True)
     return parse_progress(future.result(timeout=timeout))
+
+
+def read_status(dht: hivemind.DHT, cfg, timeout: Optional[float] = None) -> dict[str, dict]:
+    """The peers' latest status records (addresses, data position: see PROGRESS_FIELDS)."""
+    return read_progress(dht, cfg, timeout, key="progress" if "records" in LEGACY_DHT else "status")
 
 
 def parse_progress(found) -> dict[str, dict]:

@@ -343,7 +343,8 @@ def dht_bytes_by_key(counts: Path) -> dict:
             served[key] = served.get(key, 0.0) + n
         for rpc, n in found["calls"].items():
             calls[rpc] = calls.get(rpc, 0) + n
-    kinds = (("_progress", "progress records"), ("_verdict_", "verdicts"), ("_check_", "reducer checks"),
+    kinds = (("_progress", "progress records"), ("_status", "status records"), ("_verdict_", "verdicts"),
+             ("_check_", "reducer checks"),
              (".all_averagers", "state sharing"), (".0b", "matchmaking (group keys)"), ("_members", "run membership"),
              ("_configs", "run config"), ("p2pdiloco_peers", "run config"))
     by_kind: dict[str, float] = {}
@@ -595,8 +596,9 @@ def main(argv=None) -> int:
     sweep.add_argument("--clock-step", default="", metavar="AT:SECONDS",
                        help="step every peer's wall clock SECONDS (forward; negative: back) AT s after their launch")
     sweep.add_argument("--legacy-dht", default="", help="put back hivemind's DHT cache (cache), a progress store "
-                                                        "every log interval (stores) and/or its beam of 20 nodes "
-                                                        "holding 5 copies (beam), comma-separated")
+                                                        "every log interval (stores), its beam of 20 nodes "
+                                                        "holding 5 copies (beam) and/or the whole record in the "
+                                                        "progress key (records), comma-separated")
     for sub_parser in (peers, join, sweep):
         sub_parser.add_argument("--data", default="", help="corpus file (default: the bundled corpus)")
         sub_parser.add_argument("--out", default="", help="directory for the peers' logs and result.json")

@@ -133,6 +133,7 @@ def test_records_checked_and_history_bounded():
 
     from p2pdiloco.monitor import SwarmWatch
     from p2pdiloco.status import data_line, format_table, read_data_coverage, read_swarm
+    from p2pdiloco.swarm import PROGRESS_FIELDS
 
     now = time.time()
     good = {"outer_step": 3, "inner_step": 90, "loss": float("nan"), "tokens_per_s": 1000.0, "device": "cpu",
@@ -140,12 +141,18 @@ def test_records_checked_and_history_bounded():
             "data": {"epoch": 1, "shard": 4, "cursor": 17, "shards": 5}}
     claims = {"0": {"done": True}, "4": {"lease_until": get_dht_time() + 60, "cursor": 17},
               "2": {"lease_until": get_dht_time() - 1, "cursor": 9}}  # a lease run out: free again
-    data = {"p2pdiloco_tiny_configs": {"P1": "fp1", "P2": "fp1", "P3": "fp2"},
-            "p2pdiloco_tiny_fp1_progress": {"P1": good, "P2": {"outer_step": "7", "time": now, "maddrs": "x"}},
+    # P1's progress record holds the schedule's fields, its status record the rest (swarm.PROGRESS_FIELDS);
+    # P5 left: its status record outlives its progress record, and it is not listed
+    status = {"P1": {**good, "time": now - 9, "outer_step": 2}, "P5": {**good, "time": now - 9}}
+    data = {"p2pdiloco_tiny_configs": {"P1": "fp1", "P2": "fp1", "P3": "fp2", "P5": "fp1"},
+            "p2pdiloco_tiny_fp1_progress": {"P1": {k: good[k] for k in PROGRESS_FIELDS if k in good},
+                                            "P2": {"outer_step": "7", "time": now, "maddrs": "x"}},
+            "p2pdiloco_tiny_fp1_status": status,
             "p2pdiloco_tiny_fp2_progress": {"P3": {"outer_step": 9}},  # no time: dropped
             "p2pdiloco_tiny_fp1_data_e1": claims}
     records = read_swarm(FakeDHT(data), "tiny", "")
     assert [r["peer"] for r in records] == ["P1", "P2"]
+    assert records[0]["time"] == now - 2 and records[0]["outer_step"] == 3  # the fresher progress record wins
     assert records[1]["outer_step"] is None and records[1]["maddrs"] == []  # wrong types are not trusted
     table = format_table(records, "tiny", now=now).splitlines()
     assert table[1].split()[:8] == ["P1", "/ip4/127.0.0.1/tcp/5", "direct", "cpu", "3", "90", "-", "1,000"]
@@ -157,9 +164,10 @@ def test_records_checked_and_history_bounded():
     assert data_line(cov) == "data: epoch 1, 5 shards: 1 done, 1 claimed, 3 free"
 
     watch = SwarmWatch(FakeDHT(data), "tiny", "", interval=1, timeout=1, max_points=3, max_peers=2)
+    progress = data["p2pdiloco_tiny_fp1_progress"]["P1"]
     for step in range(5):
         watch.poll()  # the same records again: no new points
-        good.update(time=now + step, outer_step=4 + step)
+        progress.update(time=now + step, outer_step=4 + step)
         watch.poll()
     snap = json.loads(json.dumps(watch.snapshot(), allow_nan=False))
     history = {h["peer"]: h["points"] for h in snap["history"]}
