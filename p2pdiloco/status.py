@@ -144,7 +144,7 @@ def read_swarm(dht, run_id: str, secret: str = "", *, timeout: float = 10.0) -> 
     for fp in fingerprints:
         prefix = secured_prefix(secret, run_id, fp) if secret else f"p2pdiloco_{run_id}_{fp}"
         # a live peer's progress record (which expires soon after it stops) over its status record (stored
-        # less often: addresses, device, losses; swarm.PROGRESS_FIELDS)
+        # less often: addresses, device, data position, bans; swarm.PROGRESS_FIELDS)
         details = parse_progress(_get(dht, f"{prefix}_status", timeout))
         for peer, record in parse_progress(_get(dht, f"{prefix}_progress", timeout)).items():
             record = clean_record({**details.get(peer, {}), **record})
