@@ -359,6 +359,14 @@ class CountingAllReduceRunner(AllReduceRunner):
         averaged = await self._accumulate(sender_index, part_index, tensor_part, weight=policy.weights[sender_index])
         return averaged * self._lie if self._lie is not None else averaged
 
+    def finalize(self, *, cancel: bool = False, exception: Optional[BaseException] = None):
+        """hivemind's; a round cancelled (its allreduce_timeout, a member gone) stored the CancelledError
+        as the exception of a future nobody reads, which asyncio printed with a traceback when the future
+        was collected: it is a cancellation."""
+        if isinstance(exception, asyncio.CancelledError):
+            cancel, exception = True, None
+        super().finalize(cancel=cancel, exception=exception)
+
     def _segment_problem(self, sender_index: int, part_index: int, tensor_part: torch.Tensor) -> Optional[str]:
         start, n = self._part_offsets[part_index], self.segments
         flat = tensor_part.reshape(-1).float()

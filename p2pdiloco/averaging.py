@@ -55,6 +55,7 @@ from p2pdiloco.allreduce import ContributionPolicy, CountingAllReduceRunner, Rou
 from p2pdiloco.check import RoundCheck
 from p2pdiloco.compression import BlockwiseQuantization, bytes_per_value, make_codec
 from p2pdiloco.data.fetch import ShardCache, ShardSharing
+from p2pdiloco.pipes import guard_pipes
 from p2pdiloco.secret import peer_token
 from p2pdiloco.state import SharedState, StateSharing, release_pages
 
@@ -62,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 
 ALLREDUCE_PIECE = 2**22  # values per tensor handed to hivemind's all-reduce (16 MB in fp32)
+ALLREDUCE_FAILED = "Unable to run All-Reduce"  # hivemind's message for a round that failed once formed
 ABSTAIN = "abstain"  # verdict of a member whose own contribution was excluded: it does not apply, others may
 
 
@@ -69,25 +71,88 @@ def _lonely_round(record: logging.LogRecord) -> bool:
     return "could not find a group" not in record.getMessage()
 
 
+def _one_line(record: logging.LogRecord, message: str) -> None:
+    record.msg, record.args = " ".join(message.split()), ()
+    record.exc_info = record.exc_text = None
+    record.levelno, record.levelname = logging.WARNING, "WARNING"
+
+
 def _one_line_download_failure(record: logging.LogRecord) -> bool:
     """A state source that cannot be dialed or leaves mid-download is expected (the joiner tries the
     next one): one warning line instead of hivemind's ERROR with a traceback."""
     message = record.getMessage()
     if message.startswith("Failed to download state from"):
-        record.msg, record.args = " ".join(message.split()), ()
-        record.exc_info = record.exc_text = None
-        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        _one_line(record, message)
     return True
+
+
+def _one_line_failed_round(record: logging.LogRecord) -> bool:
+    """A groupmate that leaves, stalls (a laptop that sleeps, SIGSTOP) or is too slow ends a round with
+    hivemind's "Unable to run All-Reduce" ERROR and two chained tracebacks: expected, and reported as a
+    round_failed event; one warning line (with why, when hivemind's message is empty: a timeout)."""
+    if record.funcName == "_aggregate_with_group" and record.exc_info:  # the same error, logged first with
+        return False  # its traceback, then raised again as "Unable to run All-Reduce: <it>" (the line below)
+    message = record.getMessage()
+    if message.startswith(ALLREDUCE_FAILED):
+        _one_line(record, failed_round_reason(message, timeout=None))
+    return True
+
+
+def _one_line_stream_error(record: logging.LogRecord) -> bool:
+    """asyncio's "unhandled" reports of two expected events, each one warning line: hivemind's p2pd
+    bindings leave a stream that a peer closed (or that outlived a SIGSTOP) to asyncio; hivemind's
+    averager announces itself every 10 s in a task nobody awaits, whose store times out when the DHT
+    is slow (after a SIGSTOP, on a loaded machine)."""
+    message = record.getMessage()
+    error = record.exc_info[1] if record.exc_info else None
+    if message.startswith("Unhandled exception in client_connected_cb") and error is not None:
+        _one_line(record, f"p2p: a stream from a peer ended early ({type(error).__name__}: {error})")
+    elif message.startswith("Task exception was never retrieved") and isinstance(
+            error, (TimeoutError, asyncio.TimeoutError)):
+        _one_line(record, "DHT: a background store (hivemind's averager announcement) timed out")
+    return True
+
+
+def _request_of_an_exited_process(record: logging.LogRecord) -> bool:
+    """A DHT request, or a future's update, that carries a pipe end (hivemind's futures) and is read
+    after its sender exited (at the end of a run): its pipe cannot be rebuilt. Nothing waits for the
+    answer: dropped, instead of hivemind's ERROR with a traceback. Other failed reads become one
+    warning line."""
+    if record.funcName not in ("_run", "_process_updates_in_background") or not record.exc_info:
+        return True
+    error = record.exc_info[1]
+    if isinstance(error, (FileNotFoundError, ConnectionRefusedError)):
+        return False
+    _one_line(record, f"DHT: a request from this peer could not be read ({type(error).__name__}: {error})")
+    return True
+
+
+def failed_round_reason(message: str, timeout: Optional[float]) -> str:
+    """hivemind's "Unable to run All-Reduce: <why>"; <why> is empty when the round was cancelled by
+    its allreduce_timeout (hivemind wraps the CancelledError)."""
+    why = message[len(ALLREDUCE_FAILED):].strip(" :")
+    if why:
+        return f"all-reduce failed: {why}"
+    limit = f" within allreduce_timeout={timeout:g}s" if timeout is not None else " within allreduce_timeout"
+    return f"all-reduce did not finish{limit} (a groupmate left, stalled or was too slow)"
 
 
 def quiet_lonely_rounds() -> None:
     """Expected events that hivemind logs as errors with tracebacks: a round with nobody else in the
-    window (normal here; we report it as a round_failed event) is dropped, a failed download from one
-    state source becomes one warning line. Installed before the averager process forks."""
+    window (normal here; we report it as a round_failed event) is dropped; a failed download from one
+    state source, a failed all-reduce and a peer's stream that ended early each become one warning
+    line; a DHT request read after our exit is dropped. Installed before the averager and DHT
+    processes fork."""
     averager_logger = logging.getLogger("hivemind.averaging.averager")
-    for rule in (_lonely_round, _one_line_download_failure):
+    for rule in (_lonely_round, _one_line_download_failure, _one_line_failed_round):
         if rule not in averager_logger.filters:
             averager_logger.addFilter(rule)
+    for name in ("hivemind.dht.dht", "hivemind.averaging.averager", "hivemind.utils.mpfuture"):
+        if _request_of_an_exited_process not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(_request_of_an_exited_process)
+    asyncio_logger = logging.getLogger("asyncio")
+    if _one_line_stream_error not in asyncio_logger.filters:
+        asyncio_logger.addFilter(_one_line_stream_error)
 
 
 @dataclass
@@ -143,7 +208,7 @@ class DilocoAverager(StateSharing, ShardSharing, hivemind.DecentralizedAverager)
         vector_bytes = int(values * bytes_per_value(cfg.compression))
         part_size_bytes = min(2**19, max(2**14, vector_bytes // 32))
         super().__init__(
-            averaged_tensors, dht, prefix=cfg.dht_prefix, start=True,
+            averaged_tensors, dht, prefix=cfg.dht_prefix, start=False,
             target_group_size=cfg.target_group_size, min_group_size=cfg.min_group_size,
             min_matchmaking_time=cfg.matchmaking_time, request_timeout=cfg.request_timeout,
             allreduce_timeout=cfg.allreduce_timeout, next_chunk_timeout=cfg.next_chunk_timeout,
@@ -152,6 +217,8 @@ class DilocoAverager(StateSharing, ShardSharing, hivemind.DecentralizedAverager)
             client_mode=cfg.client_mode if client_mode is None else client_mode,
             part_size_bytes=part_size_bytes, shutdown_timeout=3, **kwargs,
         )
+        guard_pipes(self)  # several threads send; the process reads with uvloop (pipes.py)
+        self.run_in_background(await_ready=True)
 
     def set_target_group_size(self, size: int) -> None:
         """From the next matchmaking on, a group forms as soon as it has `size` members (else when
@@ -385,6 +452,8 @@ class RoundRunner:
             reason = str(e) or type(e).__name__
             if "could not find a group" in reason:
                 reason = "no group: nobody else was ready in the matchmaking window"
+            elif reason.startswith(ALLREDUCE_FAILED):
+                reason = failed_round_reason(reason, self.cfg.allreduce_timeout)
             elif isinstance(e, (TimeoutError, asyncio.TimeoutError)):
                 reason = f"all-reduce did not finish within allreduce_timeout={self.cfg.allreduce_timeout}s"
             return RoundOutcome(ok=False, reason=reason[:300], round_s=time.monotonic() - t0)

@@ -27,6 +27,7 @@ from typing import Optional
 import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 
+from p2pdiloco.pipes import guard_pipes
 from p2pdiloco.secret import SecretValidator
 from p2pdiloco.swarm import LEGACY_DHT, SwarmError, is_loopback
 
@@ -251,7 +252,9 @@ def _launch(cfg, initial_peers: list[str], stop_event: threading.Event) -> hivem
         # of DHT_BUCKET_SIZE nodes holding DHT_REPLICAS copies asks the same few nodes at 4 peers or 16.
         kwargs.update(bucket_size=DHT_BUCKET_SIZE, num_replicas=DHT_REPLICAS)
     validators = [SecretValidator(cfg.run_secret, cfg.run_id)] if cfg.run_secret else []
-    dht = hivemind.DHT(start=True, await_ready=False, record_validators=validators, **kwargs)
+    dht = hivemind.DHT(start=False, record_validators=validators, **kwargs)
+    guard_pipes(dht)  # large records from several threads (pipes.py)
+    dht.run_in_background(await_ready=False)
     # hivemind bounds each stage (the identity check, p2pd, the pings, the first lookup); this bounds them all
     budget = 15 + startup_timeout + 2 * cfg.bootstrap_timeout + 10
     limit = time.monotonic() + budget

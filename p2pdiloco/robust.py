@@ -27,6 +27,7 @@ Pure math on CPU tensors, no network: the reducer (allreduce.py) and the round's
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -51,6 +52,7 @@ CHECK_FLOOR = 1e-2
 # rounds at a small H, deep in a 1000-step warmup) made two honest peers fail the check (statistic 0.11-0.70)
 # in every round and ban each other (tests/test_averaging.py, "below fp16's normal range")
 FP16_MIN_NORMAL = 2.0 ** -14
+MEDIAN_NETWORK_ROWS = 64  # more senders than this: torch's median (a network of 64 is 543 comparators)
 HARD_CLIP = 0.5        # a sender scaled below this (its distance over 2 tau) was clipped hard
 WEIGHT_RATIO = 1.5     # with a robust rule, a sender's weight is capped at this times the group's median
 
@@ -87,22 +89,63 @@ def centered_clip(parts: torch.Tensor, weights: torch.Tensor) -> Clipped:
     w = w / w.sum()
     if len(g) <= 2:  # two senders: nothing tells which one is wrong; the median would pick the heavier
         return Clipped((w[:, None] * g).sum(0), scales, float("inf"), 0)
-    v = g.median(dim=0).values
+    v = coordinate_median(g).clone()
+    diff = g - v  # one buffer of the parts' size, reused: the distances and the step both read it
+    dist = diff.norm(dim=1)
     tau, it = 0.0, 0
     for it in range(1, MAX_ITERATIONS + 1):
-        dist = (g - v).norm(dim=1)
         tau = lower_median(dist)
         factor = torch.where(dist > tau, tau / dist.clamp_min(1e-30), torch.ones_like(dist))
-        step = (w * factor)[:, None].mul(g - v).sum(0)
-        v = v + step
+        step = torch.mv(diff.t(), w * factor)
+        v.add_(step)
+        torch.sub(g, v, out=diff)
+        dist = diff.norm(dim=1)
         if float(step.norm()) <= TOLERANCE * max(tau, 1e-30):
             break
-    dist = (g - v).norm(dim=1)
     tau = lower_median(dist)
     factor = torch.where(dist > tau, tau / dist.clamp_min(1e-30), torch.ones_like(dist))
     for index, f in zip(used.nonzero().flatten().tolist(), factor.tolist()):
         scales[index] = f
     return Clipped(v, scales, tau, it)
+
+
+def coordinate_median(g: torch.Tensor) -> torch.Tensor:
+    """The coordinate-wise lower median of the rows of g, as g.median(dim=0).values, 4-8x faster for
+    the few rows of a group (3-16): Batcher's odd-even merge sort as elementwise min/max of whole rows
+    (torch's median sorts each column on its own: 13 ms of a 3-sender part's ~30, scripts/robust_cost.py)."""
+    n = g.shape[0]
+    if n > MEDIAN_NETWORK_ROWS:
+        return g.median(dim=0).values
+    if n == 3:  # the common merge of three: 2 mins and 2 maxes
+        a, b, c = g.unbind(0)
+        return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
+    size = 1 << (n - 1).bit_length()
+    rows: list = [*g.unbind(0), *[None] * (size - n)]  # None: a row of +inf, padding to a power of 2
+    for i, j in _batcher_pairs(size):
+        if rows[j] is None:
+            continue
+        if rows[i] is None:
+            rows[i], rows[j] = rows[j], None
+        else:
+            rows[i], rows[j] = torch.minimum(rows[i], rows[j]), torch.maximum(rows[i], rows[j])
+    return rows[(n - 1) // 2]
+
+
+@functools.lru_cache(maxsize=None)
+def _batcher_pairs(size: int) -> tuple:
+    """The comparators (i < j) of Batcher's odd-even merge sort of `size` (a power of 2) values."""
+    pairs = []
+    p = 1
+    while p < size:
+        k = p
+        while k >= 1:
+            for j in range(k % p, size - k, 2 * k):
+                for i in range(min(k, size - j - k)):
+                    if (i + j) // (2 * p) == (i + j + k) // (2 * p):
+                        pairs.append((i + j, i + j + k))
+            k //= 2
+        p *= 2
+    return tuple(pairs)
 
 
 def directions(seed: bytes, length: int, count: int = PROJECTIONS) -> torch.Tensor:

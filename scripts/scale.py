@@ -115,7 +115,21 @@ def memory_table(samples: list[dict], since: dict[str, float]) -> dict:
     return out
 
 
-def run_peers(size: str, duration: float, workdir: Path, data: str = "") -> dict:
+def peak_times(samples: list[dict], merges: dict[str, list[float]]) -> dict:
+    """When each peer's total PSS peaked, and how far (s) that was from its nearest merge round's end."""
+    out = {}
+    for name in sorted({s["peer"] for s in samples}):
+        peak = max((s for s in samples if s["peer"] == name),
+                   key=lambda s: sum(s[r]["pss_mb"] for r in ROLES if r in s))
+        near = min((abs(peak["time"] - t) for t in merges.get(name, [])), default=None)
+        out[name] = {"time": peak["time"], "from_merge_s": near}
+    return out
+
+
+def run_peers(size: str, duration: float, workdir: Path, data: str = "", away: float = 0.0) -> dict:
+    """away > 0: after the joiner's first round, SIGSTOP its whole process group for `away` s (a laptop
+    that sleeps) and SIGCONT it: the founders step on without it, so its next round with them is a merge
+    round, the memory's worst case (the 8 B/param of merge segments are resident then)."""
     preset, flags = SIZES[size]
     if data:
         flags = [*flags, "--data", data]
@@ -133,18 +147,31 @@ def run_peers(size: str, duration: float, workdir: Path, data: str = "") -> dict
         swarm.start("c", join=["a", "b"])
         swarm.wait_for(lambda: swarm.events("c", "join"), timeout=4 * round_bound, what="the joiner's download")
         joined = swarm.events("c", "join")[0]
-        swarm.wait_for(lambda: time.time() > joined["time"] + duration, timeout=duration + 60, what="the run's end")
+        stopped = None
+        if away:
+            swarm.wait_for(lambda: swarm.events("c", "outer"), timeout=4 * round_bound, what="the joiner's first round")
+            stopped = time.time()
+            swarm.signal("c", signal.SIGSTOP)
+            try:
+                time.sleep(away)
+            finally:
+                swarm.signal("c", signal.SIGCONT)
+            swarm.wait_for(lambda: any(r.get("merged") and r["time"] > stopped for r in swarm.events("c", "outer")),
+                           timeout=4 * round_bound, what="the merge round that takes the sleeper back")
+        end = max(joined["time"] + duration, time.time() + 10.0)
+        swarm.wait_for(lambda: time.time() > end, timeout=end - time.time() + 60, what="the run's end")
         exit_codes = swarm.stop_all(timeout=30.0)
         rounds = [r for n in "ab" for r in swarm.events(n, "outer")]
         resyncs = [r for n in "abc" for r in swarm.events(n, "resync")]
         c_rounds = [r for r in swarm.events("c", "outer")]
+        merges = {n: [r["time"] for r in swarm.events(n, "outer") if r.get("merged")] for n in "abc"}
     round_s = sorted(r["round_s"] for r in rounds)
     # the joiner settles 10 s after its download (less in a short run, which must still see steady samples)
     steady_since = {"a": t_founded, "b": t_founded, "c": joined["time"] + min(10.0, duration / 2)}
     memory = memory_table(samples, steady_since)
     target_mb = (TARGET_BYTES_PER_PARAM * numel) / 1e6 + TARGET_FIXED_MB
     return {
-        "size": size, "params": numel, "duration_s": duration, "founding_s": t_founded - t0,
+        "size": size, "params": numel, "duration_s": duration, "founding_s": t_founded - t0, "started": t0,
         "join_download_s": joined.get("download_s"), "join_outer_step": joined.get("loaded_outer_step"),
         "state_mb": numel * 8 / 1e6,
         "founder_rounds": len(rounds), "joiner_rounds": len(c_rounds), "resyncs": len(resyncs),
@@ -152,7 +179,9 @@ def run_peers(size: str, duration: float, workdir: Path, data: str = "") -> dict
         "round_s_p90": round_s[int(0.9 * (len(round_s) - 1))] if round_s else None,
         "round_bytes_sent_mb": statistics.median(r["bytes_sent"] for r in rounds) / 1e6 if rounds else None,
         "round_bytes_recv_mb": statistics.median(r["bytes_recv"] for r in rounds) / 1e6 if rounds else None,
-        "memory": memory, "target_mb_per_peer": target_mb,
+        "memory": memory, "target_mb_per_peer": target_mb, "away_s": away, "away_from": stopped,
+        "merge_rounds": {n: len(t) for n, t in merges.items()}, "merge_times": merges,
+        "peak_at": peak_times(samples, merges),
         "bytes_per_param_beyond_16": {n: (m["total"]["peak_mb"] * 1e6 - 16 * numel) / numel
                                       for n, m in memory.items() if m["total"]["peak_mb"]},
         "exit_codes": exit_codes, "samples": samples,
@@ -546,6 +575,12 @@ def print_peers(result: dict) -> None:
           f"{result['round_bytes_recv_mb']:.1f} MB received per round")
     print(f"joiner: downloaded outer step {result['join_outer_step']} in {result['join_download_s']:.2f} s; "
           f"{result['joiner_rounds']} rounds applied after; {result['resyncs']} resync(s) in the swarm")
+    if result["away_s"]:
+        print(f"joiner SIGSTOPped {result['away_s']:.0f} s after its first round; merge rounds: "
+              + ", ".join(f"{n} {k}" for n, k in result["merge_rounds"].items()))
+    for name, at in result["peak_at"].items():
+        near = "no merge round" if at["from_merge_s"] is None else f"{at['from_merge_s']:.0f} s from a merge round"
+        print(f"{name}: peak at {at['time'] - result['started']:.0f} s, {near}")
     print(f"\n{'peer':5} {'role':9} {'peak PSS MB':>12} {'steady PSS MB':>14} {'peak RSS MB':>12}")
     for name, row in result["memory"].items():
         for role in (*ROLES, "total"):
@@ -567,6 +602,8 @@ def main(argv=None) -> int:
     peers = sub.add_parser("peers", help="2 founders and a joiner: memory per process, rounds, the join")
     peers.add_argument("--size", choices=sorted(SIZES), default="tiny")
     peers.add_argument("--duration", type=float, default=60.0, help="seconds after the joiner's download")
+    peers.add_argument("--away", type=float, default=0.0,
+                       help="SIGSTOP the joiner this many seconds after its first round: its return is a merge round")
     join = sub.add_parser("join", help="joiners download the state of several sources: seconds and MB/s")
     join.add_argument("--size", choices=sorted(SIZES), default="tiny")
     join.add_argument("--sources", type=int, default=3)
@@ -626,7 +663,7 @@ def main(argv=None) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="p2pdiloco-scale-"))
     out.mkdir(parents=True, exist_ok=True)
     if args.mode == "peers":
-        result = run_peers(args.size, args.duration, out / "peers", args.data)
+        result = run_peers(args.size, args.duration, out / "peers", args.data, args.away)
         print_peers(result)
     elif args.mode == "swarm" and args.rescore:
         result = rescore_swarm(out)

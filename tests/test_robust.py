@@ -42,6 +42,16 @@ def test_one_sender_pulls_the_result_by_at_most_about_tau_whatever_it_sends():
             assert float((g.mean(0) - honest_mean).norm()) > moved
 
 
+def test_the_coordinate_median_is_torchs_lower_median_for_any_group():
+    """The sorting network gives exactly torch's median(dim=0) (the lower one for an even count): every
+    group size up to past the network's limit, distinct values and ties."""
+    generator = torch.Generator().manual_seed(1)
+    for n in range(1, robust.MEDIAN_NETWORK_ROWS + 3):
+        for g in (torch.randn(n, 257, generator=generator),
+                  torch.randint(0, 3, (n, 257), generator=generator).float()):
+            assert torch.equal(robust.coordinate_median(g), g.median(dim=0).values), n
+
+
 def test_two_senders_or_fewer_get_the_weighted_mean():
     g = honest(2)
     clipped = robust.centered_clip(g, torch.tensor([1.0, 3.0]))

@@ -24,7 +24,7 @@ NETNS_OK, WHY = available()
 @pytest.mark.timeout(300)
 def test_scale_peers_measures_every_process(tmp_path, corpus):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "scale.py"), "peers", "--size", "tiny",
-                           "--duration", "10", "--data", str(corpus), "--out", str(tmp_path)],
+                           "--duration", "10", "--away", "12", "--data", str(corpus), "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
@@ -36,6 +36,10 @@ def test_scale_peers_measures_every_process(tmp_path, corpus):
         # the forked children no longer carry the trainer's model: far below the trainer's own share
         assert row["dht"]["steady_mb"] < 400 and row["total"]["peak_mb"] < result["target_mb_per_peer"], row
     assert "peak PSS MB" in proc.stdout and "target per peer" in proc.stdout
+    # the joiner, SIGSTOPped after its first round, came back through a merge round (the memory's worst case)
+    assert result["merge_rounds"]["c"] >= 1 and "merge rounds:" in proc.stdout, result["merge_rounds"]
+    for name in "abc":
+        assert "Traceback" not in (tmp_path / "peers" / f"{name}.stderr").read_text(), name
 
 
 @pytest.mark.timeout(300)
