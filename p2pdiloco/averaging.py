@@ -123,7 +123,8 @@ def _request_of_an_exited_process(record: logging.LogRecord) -> bool:
     error = record.exc_info[1]
     if isinstance(error, (FileNotFoundError, ConnectionRefusedError)):
         return False
-    _one_line(record, f"DHT: a request from this peer could not be read ({type(error).__name__}: {error})")
+    _one_line(record, f"hivemind: a message between this peer's processes could not be read "
+                      f"({type(error).__name__}: {error})")
     return True
 
 
