@@ -98,7 +98,7 @@ def _one_line_failed_round(record: logging.LogRecord) -> bool:
     return True
 
 
-def _one_line_stream_error(record: logging.LogRecord) -> bool:
+def _one_line_asyncio_report(record: logging.LogRecord) -> bool:
     """asyncio's "unhandled" reports of two expected events, each one warning line: hivemind's p2pd
     bindings leave a stream that a peer closed (or that outlived a SIGSTOP) to asyncio; hivemind's
     averager announces itself every 10 s in a task nobody awaits, whose store times out when the DHT
@@ -138,22 +138,22 @@ def failed_round_reason(message: str, timeout: Optional[float]) -> str:
     return f"all-reduce did not finish{limit} (a groupmate left, stalled or was too slow)"
 
 
-def quiet_lonely_rounds() -> None:
-    """Expected events that hivemind logs as errors with tracebacks: a round with nobody else in the
-    window (normal here; we report it as a round_failed event) is dropped; a failed download from one
-    state source, a failed all-reduce and a peer's stream that ended early each become one warning
-    line; a DHT request read after our exit is dropped. Installed before the averager and DHT
-    processes fork."""
-    averager_logger = logging.getLogger("hivemind.averaging.averager")
-    for rule in (_lonely_round, _one_line_download_failure, _one_line_failed_round):
-        if rule not in averager_logger.filters:
-            averager_logger.addFilter(rule)
-    for name in ("hivemind.dht.dht", "hivemind.averaging.averager", "hivemind.utils.mpfuture"):
-        if _request_of_an_exited_process not in logging.getLogger(name).filters:
-            logging.getLogger(name).addFilter(_request_of_an_exited_process)
-    asyncio_logger = logging.getLogger("asyncio")
-    if _one_line_stream_error not in asyncio_logger.filters:
-        asyncio_logger.addFilter(_one_line_stream_error)
+def quiet_expected_events() -> None:
+    """Expected events that hivemind logs as errors with tracebacks (each rule above says which):
+    dropped, or one warning line; a round that failed is reported as a round_failed event anyway.
+    Installed before the averager and DHT processes fork."""
+    rules = {
+        "hivemind.averaging.averager": (_lonely_round, _one_line_download_failure, _one_line_failed_round,
+                                        _request_of_an_exited_process),
+        "hivemind.dht.dht": (_request_of_an_exited_process,),
+        "hivemind.utils.mpfuture": (_request_of_an_exited_process,),
+        "asyncio": (_one_line_asyncio_report,),
+    }
+    for name, filters in rules.items():
+        log = logging.getLogger(name)
+        for rule in filters:
+            if rule not in log.filters:
+                log.addFilter(rule)
 
 
 @dataclass
@@ -453,10 +453,9 @@ class RoundRunner:
             reason = str(e) or type(e).__name__
             if "could not find a group" in reason:
                 reason = "no group: nobody else was ready in the matchmaking window"
-            elif reason.startswith(ALLREDUCE_FAILED):
-                reason = failed_round_reason(reason, self.cfg.allreduce_timeout)
-            elif isinstance(e, (TimeoutError, asyncio.TimeoutError)):
-                reason = f"all-reduce did not finish within allreduce_timeout={self.cfg.allreduce_timeout}s"
+            elif reason.startswith(ALLREDUCE_FAILED) or isinstance(e, (TimeoutError, asyncio.TimeoutError)):
+                reason = failed_round_reason(reason if reason.startswith(ALLREDUCE_FAILED) else ALLREDUCE_FAILED,
+                                             self.cfg.allreduce_timeout)
             return RoundOutcome(ok=False, reason=reason[:300], round_s=time.monotonic() - t0)
         if result is None:
             return RoundOutcome(ok=False, reason="no group", round_s=time.monotonic() - t0)

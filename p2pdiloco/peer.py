@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import torch
 
 from p2pdiloco import bootstrap, checkpoint, diloco, reachability, schedule, sinks, state, swarm
-from p2pdiloco.averaging import DilocoAverager, RoundRunner, quiet_lonely_rounds
+from p2pdiloco.averaging import DilocoAverager, RoundRunner, quiet_expected_events
 from p2pdiloco.config import ConfigError
 from p2pdiloco.data import DataError, load_data
 from p2pdiloco.data.claims import ShardClaims, Stopped
@@ -166,7 +166,7 @@ class Peer(SwarmRounds):
         """DHT (and p2pd), reachability, metrics and the averager with its shared buffer."""
         cfg = self.cfg
         sinks.check_installed(tensorboard_dir=cfg.tensorboard_dir, wandb_project=cfg.wandb_project)
-        quiet_lonely_rounds()
+        quiet_expected_events()
         self.dht = bootstrap.start_dht(cfg, stop_event=self.stop_event)
         self.reach = self._check_reachability()
         self.peer_id = str(self.dht.peer_id)

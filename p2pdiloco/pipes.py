@@ -28,7 +28,7 @@ from multiprocessing.reduction import ForkingPickler
 class SenderGone(ConnectionRefusedError):
     """A message that carries a pipe end (hivemind's futures), read after its sender exited (a run's
     end): the pipe end cannot be rebuilt. An OSError, which hivemind's loops log and skip (and
-    averaging.quiet_lonely_rounds drops); before, the EOFError of this case killed the DHT process."""
+    averaging.quiet_expected_events drops); before, the EOFError of this case killed the DHT process."""
 
 
 class SafePipe:

@@ -116,9 +116,6 @@ def coordinate_median(g: torch.Tensor) -> torch.Tensor:
     n = g.shape[0]
     if n > MEDIAN_NETWORK_ROWS:
         return g.median(dim=0).values
-    if n == 3:  # the common merge of three: 2 mins and 2 maxes
-        a, b, c = g.unbind(0)
-        return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
     size = 1 << (n - 1).bit_length()
     rows: list = [*g.unbind(0), *[None] * (size - n)]  # None: a row of +inf, padding to a power of 2
     for i, j in _batcher_pairs(size):

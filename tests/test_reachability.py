@@ -79,9 +79,9 @@ def test_a_failed_state_source_is_one_warning_line():
     import io
     import logging
 
-    from p2pdiloco.averaging import quiet_lonely_rounds
+    from p2pdiloco.averaging import quiet_expected_events
 
-    quiet_lonely_rounds()
+    quiet_expected_events()
     log = logging.getLogger("hivemind.averaging.averager")
     out = io.StringIO()
     handler = logging.StreamHandler(out)
