@@ -165,6 +165,7 @@ class SwarmRounds:
                 pending, self.pending = self.pending, None
                 if self._finish_round(pending):
                     return True
+                del pending  # its pseudo-gradient (4 B/param) goes before the next round's is made
                 self.pending = self._start_round()  # same pseudo-gradient: we have not trained since
         return False
 

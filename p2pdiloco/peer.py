@@ -321,7 +321,7 @@ class Peer(SwarmRounds):
         numel = self.numel
         for key in ("anchor", "momentum", "local"):
             t = payload.get(key)
-            if not isinstance(t, torch.Tensor) or t.numel() != numel or not torch.isfinite(t).all():
+            if not isinstance(t, torch.Tensor) or t.numel() != numel or not state.all_finite(t):
                 raise checkpoint.CheckpointError(f"checkpoint field {key} is missing, of the wrong size or not finite")
         with self._updating_state():
             self.anchor.copy_(payload["anchor"].reshape(-1))
@@ -527,6 +527,7 @@ class Peer(SwarmRounds):
             pending, self.pending = self.pending, None
             t_outer = time.perf_counter()
             applied = self._finish_round(pending)
+            del pending  # its pseudo-gradient (4 B/param) goes before the next round's is made
             self.outer_s += time.perf_counter() - t_outer
 
         # --- every inner_steps steps: hand the pseudo-gradient to a background round ----

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
+import threading
+import time
+import weakref
 
 import hivemind
 import pytest
@@ -21,9 +25,9 @@ N = 50_000
 
 
 @contextlib.contextmanager
-def peers(count: int, *, merge: bool = False, **overrides):
-    """`count` DHT nodes + averagers joined through the first; all shut down on exit. merge: the
-    averagers are merge-capable (one buffer of [pseudo-gradient | anchor | momentum])."""
+def peers(count: int, *, merge: bool = False, size: int = N, **overrides):
+    """`count` DHT nodes + averagers of `size` values joined through the first; all shut down on exit.
+    merge: the averagers are merge-capable (one buffer of [pseudo-gradient | anchor | momentum])."""
     cfg = Config(host_maddrs=["/ip4/127.0.0.1/tcp/0"], matchmaking_time=2.0, request_timeout=1.0,
                  allreduce_timeout=10.0, run_id="avgtest", **overrides)
     dhts, averagers = [], []
@@ -35,9 +39,9 @@ def peers(count: int, *, merge: bool = False, **overrides):
         for dht in dhts:
             # merge-capable ones, as a Peer's: the live anchor and momentum in shared memory, which
             # the averager process copies into the round only when the group merges
-            averagers.append(DilocoAverager([torch.zeros(3 * N if merge else N)], dht, cfg=cfg,
-                                            shared=SharedState(N) if merge else None,
-                                            merge_size=N if merge else 0))
+            averagers.append(DilocoAverager([torch.zeros(3 * size if merge else size)], dht, cfg=cfg,
+                                            shared=SharedState(size) if merge else None,
+                                            merge_size=size if merge else 0))
         yield cfg, [RoundRunner(a, d, cfg) for a, d in zip(averagers, dhts)]
     finally:
         for averager in averagers:
@@ -92,6 +96,29 @@ def test_whoever_is_ready_forms_the_group():
         alone = runners[2].start(torch.ones(N), weight=1.0, gather={"i": 2}).result(timeout=60)
         assert not alone.ok and "no group" in alone.reason
         assert alone.average is None
+
+
+def test_a_failed_round_lets_its_pseudo_gradient_go():
+    """A round that finds no group drops its pseudo-gradient when it returns, without waiting for the
+    garbage collector: hivemind's step control keeps the exception, whose traceback held the round's
+    frame, which held the pseudo-gradient (4 B/param at 85M: 0.35 GB a failed round, seen in the
+    85M peers' memory; docs/scale.md, "A failed round's pseudo-gradient")."""
+    with peers(1) as (cfg, runners):
+        assert averaging.checks_reducers(cfg)  # so the round keeps what it sent
+        pseudo_grad = torch.ones(N)
+        kept = weakref.ref(pseudo_grad)
+        gc.disable()
+        try:
+            future = runners[0].start(pseudo_grad, weight=1.0, gather={})
+            del pseudo_grad
+            alone = future.result(timeout=60)
+            assert not alone.ok and "no group" in alone.reason
+            deadline = time.monotonic() + 5  # the round's thread returns right after it sets the result
+            while kept() is not None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert kept() is None, "the failed round still holds its pseudo-gradient"
+        finally:
+            gc.enable()
 
 
 def test_fp32_transport_is_exact():
@@ -169,7 +196,7 @@ def merging_peers(count: int, aggregation: str = "mean"):
 def _merge_round(runners, anchors, momenta, grads, steps, weights):
     from p2pdiloco import diloco
 
-    idx = diloco.digest_indices(N)
+    idx = diloco.digest_indices(anchors[0].numel())
     live = []
     for r, a, m in zip(runners, anchors, momenta):  # each member's state, where a Peer keeps it
         shared = r.averager._shared
@@ -207,6 +234,41 @@ def test_members_whose_anchors_differ_merge_them_in_the_round(piece, monkeypatch
         torch.testing.assert_close(o.average, expected_grad, atol=1e-6, rtol=1e-5)
     for o in outcomes[1:]:  # fp32: the members' anchors agree far inside anchor_tolerance
         assert float((o.anchor - outcomes[0].anchor).norm() / outcomes[0].anchor.norm()) < 1e-6
+
+
+def _anon_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("RssAnon"))
+
+
+def test_a_merge_round_makes_no_temporary_of_the_models_size():
+    """The rounds' threads live in the trainer's process, beside the model: during a merge round of
+    two members (3 segments of `size` values each), that process's private memory never grows by half
+    a segment. Before, checking that the outcome is finite made an abs() copy and two masks of each
+    segment (1.5x its size: 0.53 GB at 88.6M, at the end of every 85M round; docs/scale.md)."""
+    size = 16_000_000
+    with peers(2, merge=True, target_group_size=2, size=size) as (cfg, runners):
+        anchors = [torch.randn(size) for _ in range(2)]
+        momenta = [torch.randn(size) * 0.1 for _ in range(2)]
+        grads = [torch.randn(size) * 0.01 for _ in range(2)]
+        peak, done = [0.0], threading.Event()
+
+        def sample() -> None:  # every 5 ms: an isfinite over a segment lasts ~50 ms here
+            while not done.is_set():
+                peak[0] = max(peak[0], _anon_mb())
+                time.sleep(0.005)
+
+        base = _anon_mb()
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            outcomes = _merge_round(runners, anchors, momenta, grads, [4, 4], [1.0, 1.0])
+        finally:
+            done.set()
+            sampler.join(timeout=5)
+    assert all(o.ok and o.report.merged for o in outcomes), [o.reason for o in outcomes]
+    half_segment_mb = size * 4 / 2 / 2**20
+    assert peak[0] - base < half_segment_mb, (peak[0] - base, half_segment_mb)
 
 
 def test_agreeing_anchors_average_pseudo_grads_only():

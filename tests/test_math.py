@@ -359,6 +359,19 @@ def test_validate_state_rejects_non_finite(which, bad):
     _rejects(metadata, tensors, cfg)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_all_finite_finds_a_bad_value_in_any_chunk(bad):
+    """state.all_finite reads 2**18 values at a time (no full-size temporaries): it must agree
+    with torch.isfinite(t).all() wherever the bad value sits, the last, short chunk included."""
+    t = torch.randn(2 * (1 << 18) + 6)  # three chunks, the last of 6 values
+    assert state.all_finite(t) and state.all_finite(t.view(-1, 2)) and state.all_finite(torch.empty(0))
+    for where in (0, (1 << 18) - 1, 1 << 18, t.numel() - 1):
+        u = t.clone()
+        u[where] = bad
+        assert not state.all_finite(u) and not state.all_finite(u.view(-1, 2)), where
+    assert state.all_finite(torch.full((10,), 3e38)) and not state.all_finite(torch.full((10,), 3e38) * 10)
+
+
 @pytest.mark.parametrize("outer_step", [-1, 3.0, "3", None])
 def test_validate_state_rejects_bad_outer_step(outer_step):
     cfg = Config()
