@@ -402,6 +402,10 @@ def swarm_stats(outer: dict, failed: dict, finals: dict, *, size: int, target: i
     round_s = sorted(r["round_s"] for rs in outer.values() for r in rs)
     wall = statistics.median(f.get("wall_s", duration) for f in finals.values())
     per_min = [len(outer[n]) / (wall / 60) for n in names]
+    # each peer's own inner steps per second of training: the input simulate.py --compare takes
+    rates = [f["inner_step"] / f["wall_s"] for f in finals.values()
+             if isinstance(f.get("inner_step"), (int, float)) and isinstance(f.get("wall_s"), (int, float))
+             and f["wall_s"] > 0]
     steps = sorted(r["tokens"] / tokens_per_step for rs in outer.values() for r in rs if r.get("tokens"))
     # a group that holds every live peer, or with a grid (more peers than the target) a whole line of it
     line = size if size <= target else grid.side(size, grid.dims_for(size, target), target)
@@ -431,6 +435,7 @@ def swarm_stats(outer: dict, failed: dict, finals: dict, *, size: int, target: i
         "group_size_median": statistics.median(groups) if groups else None,
         "group_size_max": max(groups, default=None),
         "rounds_per_min_median": statistics.median(per_min), "rounds_per_min_min": min(per_min),
+        "steps_per_s_median": statistics.median(rates) if rates else None,
         "round_s_median": statistics.median(round_s) if round_s else None,
         "round_s_p90": round_s[int(0.9 * (len(round_s) - 1))] if round_s else None,
         "failed_rounds": sum(len(f) for f in failed.values()),

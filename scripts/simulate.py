@@ -720,18 +720,25 @@ def row_line(r: dict) -> str:
 def compare(path: Path, base: Settings, steps_per_s: Optional[float]) -> list[dict]:
     """Simulate each swarm of a `scale.py swarm` result.json (its peers, target group, pacing and
     duration; H = 30, a 2 s window, the tiny preset's log interval) and put the prediction next to
-    what was measured: group size and applied rounds per minute, their ratio, within 20% or not."""
+    what was measured: group size and applied rounds per minute, their ratio, within 20% or not.
+    The peers' step rate is an input, not a prediction: `steps_per_s` if given, else the run's own
+    (the median peer's inner steps per second, which scale.py records), else the tiny preset's
+    unpaced rate on this machine over the run's slowdown ("nominal"; on 2 busy cores the real rate
+    is 0.6-1.4x that)."""
     rows = []
     for measured in json.loads(Path(path).read_text()):
         if not isinstance(measured, dict) or "peers" not in measured:
             continue
-        rate = steps_per_s or UNPACED_STEPS_PER_S / float(measured.get("slowdown") or 1.0)
+        own = measured.get("steps_per_s_median")
+        rate = steps_per_s or own or UNPACED_STEPS_PER_S / float(measured.get("slowdown") or 1.0)
+        source = "flag" if steps_per_s else "run" if own else "nominal"
         target = int(measured.get("target_group_size") or TINY_TARGET_GROUP)
         settings = replace(base, peers=int(measured["peers"]), target_group_size=target,
                            grid=bool(measured.get("grid", True)), inner_steps=30, window=2.0, log_interval=2.0,
                            steps_per_s=rate, duration=float(measured.get("duration_s") or 0.0))
         predicted = simulate(settings)
-        row = {"peers": settings.peers, "target_group_size": settings.target_group_size, "steps_per_s": rate}
+        row = {"peers": settings.peers, "target_group_size": settings.target_group_size, "steps_per_s": rate,
+               "steps_per_s_from": source}
         for key in ("group_size_mean", "rounds_per_min_median"):
             p, m = predicted[key], measured.get(key)
             ratio = p / m if p is not None and m else None
@@ -739,11 +746,11 @@ def compare(path: Path, base: Settings, steps_per_s: Optional[float]) -> list[di
                         "within_20pct": ratio is not None and abs(ratio - 1) <= 0.2}
         row["predicted"] = predicted
         rows.append(row)
-    print(f"{'peers':>5} {'group':>5} {'steps/s':>7}   {'group size: sim':>15} {'real':>5} {'ratio':>5} {'<20%':>4}"
-          f"   {'rounds/min: sim':>15} {'real':>5} {'ratio':>5} {'<20%':>4}")
+    print(f"{'peers':>5} {'group':>5} {'steps/s':>7} {'from':>7}   {'group size: sim':>15} {'real':>5} {'ratio':>5} "
+          f"{'<20%':>4}   {'rounds/min: sim':>15} {'real':>5} {'ratio':>5} {'<20%':>4}")
     for r in rows:
         g, m = r["group_size_mean"], r["rounds_per_min_median"]
-        print(f"{r['peers']:>5} {r['target_group_size']:>5} {r['steps_per_s']:>7.2f}   "
+        print(f"{r['peers']:>5} {r['target_group_size']:>5} {r['steps_per_s']:>7.2f} {r['steps_per_s_from']:>7}   "
               f"{_num(g['predicted'], 2):>15} {_num(g['measured'], 2):>5} {_num(g['ratio'], 2):>5} "
               f"{'yes' if g['within_20pct'] else 'no':>4}   {_num(m['predicted'], 2):>15} {_num(m['measured'], 2):>5} "
               f"{_num(m['ratio'], 2):>5} {'yes' if m['within_20pct'] else 'no':>4}")

@@ -85,6 +85,8 @@ def test_swarm_sizes_are_measured_on_a_grid(tmp_path, corpus):
         assert r["partners_min"] >= 2, r
         assert r["spread_median"] is not None and 0 <= r["spread_median"] < 1, r
         assert r["dht_kb_per_peer_round"] is not None and r["dht_kb_per_peer_round"] > 0, r
+        # the peers' own step rate, simulate.py --compare's input: paced 4x, a tiny peer's tens of steps/s
+        assert 0.5 < r["steps_per_s_median"] < 30, r
         assert all(code == 0 for name, code in r["exit_codes"].items() if name != "boot"), r
         served = r["dht_breakdown"]["bytes"]  # every kind of key a round and the schedule use was served
         assert all(served.get(kind, 0) > 0 for kind in ("find progress records", "find matchmaking (group keys)",

@@ -135,3 +135,11 @@ def test_compare_with_a_measured_result(tmp_path, capsys):
     simulate.main(["--compare", str(result), "--json", str(out), "--steps-per-s", str(2 * good["steps_per_s"])])
     faster = json.loads(out.read_text())["rows"][0]["rounds_per_min_median"]["predicted"]
     assert faster == pytest.approx(2 * good["rounds_per_min_median"]["predicted"], rel=0.15)
+    # a result that records its peers' own step rate (scale.py does) is simulated at that rate
+    measured[0]["steps_per_s_median"] = 2 * good["steps_per_s"]
+    result.write_text(json.dumps(measured))
+    simulate.main(["--compare", str(result), "--json", str(out)])
+    own = json.loads(out.read_text())["rows"][0]
+    assert own["steps_per_s"] == 2 * good["steps_per_s"] and own["steps_per_s_from"] == "run"
+    assert own["rounds_per_min_median"]["predicted"] == pytest.approx(faster, rel=0.05)
+    assert good["steps_per_s_from"] == "nominal"
