@@ -450,8 +450,8 @@ class RoundRunner:
                 time.sleep(0.02)
             result = control.result()
         except BaseException as e:  # hivemind raises many types here, all meaning "no usable round"
-            # the step control keeps e, and e's traceback this frame with `sent`: a cycle that only the
-            # garbage collector breaks, minutes later; it kept 0.35 GB per failed round at 85M (docs/scale.md)
+            # the step control keeps e, e's traceback keeps this frame and the frame `sent`: a cycle that
+            # only the garbage collector breaks, maybe minutes later (0.35 GB per failed round at 85M; docs/scale.md)
             e.__traceback__ = None
             reason = str(e) or type(e).__name__
             if "could not find a group" in reason:

@@ -102,7 +102,7 @@ def test_a_failed_round_lets_its_pseudo_gradient_go():
     """A round that finds no group drops its pseudo-gradient when it returns, without waiting for the
     garbage collector: hivemind's step control keeps the exception, whose traceback held the round's
     frame, which held the pseudo-gradient (4 B/param at 85M: 0.35 GB a failed round, seen in the
-    85M peers' memory; docs/scale.md, "A failed round's pseudo-gradient")."""
+    85M peers' memory; docs/scale.md, "Three transients in the trainer")."""
     with peers(1) as (cfg, runners):
         assert averaging.checks_reducers(cfg)  # so the round keeps what it sent
         pseudo_grad = torch.ones(N)
