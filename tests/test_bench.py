@@ -36,9 +36,10 @@ def test_every_comparison_runs_at_quick_size(tmp_path, corpus):
     for name, run in quality.items():
         assert math.isfinite(run["final_eval"]) and run["tokens"] > 0, name
         # every mode learns something in 60 steps, except the negative control (one outer step per
-        # contribution, its momentum applied once per member): built to do badly, it ended at 5.59
-        # nats (above uniform) in one CI run; it must only stay finite and not blow up
-        bound = math.log(256) + (0.5 if name == "per_contribution_h50" else 0.0)
+        # contribution, its momentum applied once per member): built to do badly, it ended at 5.59 and
+        # 7.99 nats (above uniform, 5.55) in two CI runs, 10.4 right after its first outer step; it must
+        # only stay finite and not blow up
+        bound = math.log(256) * (3.0 if name == "per_contribution_h50" else 1.0)
         assert run["final_eval"] < bound, name
     # every mode took part in rounds (the quick size has H = 15 and 60 steps per peer)
     for name in ("sync_h50", "decoupled_h50", "decoupled_h50_int8", "decoupled_h50_int4", "per_contribution_h50"):
