@@ -73,7 +73,9 @@ def test_group_averages_weighted_pseudo_grads_and_members_agree(aggregation):
         assert float((expected - sum(w * g for w, g in zip(weights, grads)) / sum(weights)).norm()) > 1.0
     for o in outcomes:
         assert o.ok, o.reason
-        assert o.check["ok"] and o.check["stat"] < robust.CHECK_THRESHOLD / 10, o.check
+        # honest reducers, well inside the threshold: in 72 rounds of this test the statistic stayed at
+        # 0.0004-0.003, but its tail is long (one CI run saw 0.017, over the tenth this bound once was)
+        assert o.check["ok"] and o.check["stat"] < robust.CHECK_THRESHOLD / 4, o.check
         assert len(o.members) == 3
         assert sorted(m["i"] for m in o.members.values()) == [0, 1, 2]
         assert o.report.complete and o.report.bytes_sent > 0 and o.report.bytes_recv > 0
