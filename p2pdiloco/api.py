@@ -88,7 +88,7 @@ class DiLoCo:
         if self._closed:
             raise RuntimeError("this DiLoCo peer is closed")
         now = time.monotonic()
-        self.peer.compute_s += now - self._returned  # your step, data loading included
+        self.peer.timer.total_s += now - self._returned  # your step, data loading included
         applied = self.peer.after_step(None if loss is None else loss.detach().float(), int(tokens))
         self._returned = time.monotonic()
         return applied

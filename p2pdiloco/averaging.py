@@ -389,21 +389,35 @@ class RoundRunner:
         self.averager, self.dht, self.cfg = averager, dht, cfg
         self.peer_id = str(dht.peer_id)
 
-    def start(self, pseudo_grad: torch.Tensor, *, weight: float, gather: dict,
+    def start(self, pseudo_grad: torch.Tensor | Callable[[], tuple], *, weight: float, gather: dict,
               anchor: Optional[torch.Tensor] = None, momentum: Optional[torch.Tensor] = None,
-              on_allreduce: Optional[Callable[[], None]] = None) -> concurrent.futures.Future:
+              on_allreduce: Optional[Callable[[], None]] = None,
+              settle: Optional[Callable[[RoundOutcome], Any]] = None) -> concurrent.futures.Future:
         """Run one round in a daemon thread (a round stuck in hivemind must not block the exit).
         anchor and momentum: with a merge-capable averager, what a merge round would average (the
-        gather must then carry this member's anchor `digest` and `outer_step`).
-        on_allreduce is called (from that thread) once the group is formed and the all-reduce begins."""
+        gather must then carry this member's anchor `digest` and `outer_step`). pseudo_grad may be a
+        function, called first in that thread, that returns (pseudo-gradient, anchor, momentum, more
+        gather fields): the trainer's arithmetic then runs there, not in the caller's thread.
+        on_allreduce is called (from that thread) once the group is formed and the all-reduce begins;
+        settle(outcome), in that thread after the round, gives the future's result (else the outcome)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        # the thread drops these once they are in the averager's buffer: it keeps no tensor of the
-        # model's size alive for the whole round (the caller decides what it keeps)
-        payload = [pseudo_grad, (anchor, momentum) if self.averager.merge_size else None]
+
+        if not callable(pseudo_grad):
+            given = (pseudo_grad, anchor, momentum, {})
+
+            def pseudo_grad() -> tuple:
+                return given
+        del anchor, momentum
 
         def target() -> None:
             try:
-                future.set_result(self._run(payload, weight, gather, on_allreduce))
+                delta, anchor, momentum, fields = pseudo_grad()
+                # _run drops these once they are in the averager's buffer: it keeps no tensor of the
+                # model's size alive for the whole round (the caller decides what it keeps)
+                payload = [delta, (anchor, momentum) if self.averager.merge_size else None]
+                del delta, anchor, momentum
+                outcome = self._run(payload, weight, {**gather, **fields}, on_allreduce)
+                future.set_result(settle(outcome) if settle is not None else outcome)
             except BaseException as e:
                 future.set_exception(e)
 

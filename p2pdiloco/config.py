@@ -200,8 +200,11 @@ class Config:
     wandb_project: str = _f("", "Also send the metrics to this Weights & Biases project (needs the wandb extra; "
                                 "WANDB_MODE=offline keeps them local).")
     eval_batches: int = _f(4, "Held-out batches behind each evaluation of the anchor.")
-    eval_every: int = _f(1, "Evaluate the anchor every this many outer steps (and at the end); eval costs "
-                            "eval_batches forward passes.")
+    eval_every: int = _f(1, "Evaluate the anchor at most every this many outer steps (and at the end); eval "
+                            "costs eval_batches forward passes, in a background thread.")
+    eval_budget: float = _f(0.01, "The share of wall time the background evaluations may take (an evaluation is "
+                                  "skipped while they took more); 0 = no limit. The final one always runs.")
+    compile: str = _f("auto", "torch.compile the model for the inner steps: auto (on CUDA only), on, off.")
     maddrs_file: str = _f("", "Write this peer's visible multiaddrs here, one per line, once the DHT is up.")
     threads: int = _f(0, "torch CPU threads (0 = torch default).")
     slowdown: float = _f(1.0, "Benchmarks: make this peer N times slower by sleeping (N-1) times each inner "
@@ -254,6 +257,9 @@ class Config:
         need(self.outer_apply == "group" or self.target_group_size <= 16,
              "outer_apply = per_contribution needs target_group_size <= 16 (it sends that many vectors)")
         need(math.isfinite(self.slowdown) and self.slowdown >= 1, f"slowdown must be >= 1, got {self.slowdown}")
+        need(math.isfinite(self.eval_budget) and 0 <= self.eval_budget <= 1,
+             f"eval_budget must be in [0, 1], got {self.eval_budget}")
+        need(self.compile in ("auto", "on", "off"), f"compile must be auto, on or off, got {self.compile!r}")
         need(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, f"bad device {self.device!r}")
         need(math.isfinite(self.shard_cache_gb) and self.shard_cache_gb > 0,
              f"shard_cache_gb must be > 0, got {self.shard_cache_gb}")

@@ -66,6 +66,16 @@ def inner_lr_at(position: int, *, inner_lr: float, warmup_steps: int, total_step
     return inner_lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def preview_coefficients(*, outer_lr: float, outer_momentum: float, own_share: float = 1.0) -> tuple[float, float]:
+    """(a, b) such that the eager preview is anchor + a * momentum + b * pseudo_grad (preview_outer_step).
+    The preview minus the snapshot (anchor - pseudo_grad) is then a * momentum + (1 + b) * pseudo_grad:
+    the round's thread moves the local weights onto the preview without reading the anchor."""
+    mu = outer_momentum
+    # with g = own_share * pseudo_grad + (1 - own_share) * (1 - mu) * momentum:
+    # anchor - outer_lr * (g + mu * (mu * momentum + g))
+    return -outer_lr * (mu * mu + (1 + mu) * (1 - own_share) * (1 - mu)), -outer_lr * (1 + mu) * own_share
+
+
 def preview_outer_step(anchor: torch.Tensor, momentum: torch.Tensor, pseudo_grad: torch.Tensor, *,
                        outer_lr: float, outer_momentum: float, own_share: float = 1.0) -> torch.Tensor:
     """Where `outer_step_` would move the anchor with an estimate of the group's average, without
@@ -74,11 +84,8 @@ def preview_outer_step(anchor: torch.Tensor, momentum: torch.Tensor, pseudo_grad
     x the others' recent average; the paper takes the others' from the last round, we take the outer
     momentum's running mean, (1 - mu) x momentum, which needs no extra copy of the model. own_share 1
     (the default) is our pseudo-gradient alone."""
-    mu = outer_momentum
-    # with g = own_share * pseudo_grad + (1 - own_share) * (1 - mu) * momentum:
-    # anchor - outer_lr * (g + mu * (mu * momentum + g)), one allocation
-    out = momentum * (-outer_lr * (mu * mu + (1 + mu) * (1 - own_share) * (1 - mu)))
-    return out.add_(pseudo_grad, alpha=-outer_lr * (1 + mu) * own_share).add_(anchor)
+    a, b = preview_coefficients(outer_lr=outer_lr, outer_momentum=outer_momentum, own_share=own_share)
+    return (momentum * a).add_(pseudo_grad, alpha=b).add_(anchor)
 
 
 def anchors_differ(digests: list, tolerance: float) -> bool:

@@ -113,11 +113,26 @@ def _clean(value: Any) -> Any:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """All records of a metrics.jsonl (a torn last line, from a killed peer, is skipped)."""
+    """All records of a metrics.jsonl (a torn last line, from a killed peer, is skipped). The anchor is
+    evaluated in the background, after its `outer` record was written: each `eval` record's loss is also
+    set on the `outer` record of the same outer step (eval_loss None where none was evaluated)."""
     records = []
     for line in Path(path).read_text().splitlines():
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
             continue
+    return fold_evals(records)
+
+
+def fold_evals(records: list[dict]) -> list[dict]:
+    """Set each `eval` record's eval_loss and eval_bpb on the last `outer` record of its outer step."""
+    outer_at = {}
+    for r in records:
+        if r.get("event") == "outer":
+            r.setdefault("eval_loss", None)
+            r.setdefault("eval_bpb", None)
+            outer_at[r.get("outer_step")] = r
+        elif r.get("event") == "eval" and r.get("outer_step") in outer_at:
+            outer_at[r["outer_step"]].update(eval_loss=r.get("eval_loss"), eval_bpb=r.get("eval_bpb"))
     return records

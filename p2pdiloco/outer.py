@@ -24,8 +24,10 @@ Peer mixes this in; it reads and writes the Peer's state (anchor, momentum, oute
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
+import resource
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -112,6 +114,25 @@ class PendingRound:
     own_share: float = 1.0  # the eager preview's weight on our own pseudo-gradient (diloco.preview_outer_step)
     grid: Optional[tuple] = None  # (round, dims, coords) whose line we entered (grid.py), with a schedule
     late: Optional[float] = None  # seconds after the scheduled due time that we entered (the phase error)
+    # set by the round's thread when it settles the outcome (_settle_round)
+    applied: bool = False   # an outer step moved the anchor; the weights' correction is staged
+    resync_to: int = 0      # our anchor differs from the group's: download a state at least this new
+    spread: float = 0.0     # of the members' anchor digests
+    diverged: int = 0       # members whose anchor differed from the newest member's
+    share: float = 1.0      # group_share's scale of the average
+    digest: Optional[list] = None  # of the new anchor
+    # the training thread's cost of this round (boundary.py): seconds and page faults
+    boundary_s: float = 0.0
+    faults: int = 0
+
+
+def thread_faults() -> int:
+    """Page faults of the calling thread so far (minor + major; 0 where RUSAGE_THREAD is missing)."""
+    try:
+        usage = resource.getrusage(resource.RUSAGE_THREAD)
+    except (AttributeError, OSError):
+        return 0
+    return usage.ru_minflt + usage.ru_majflt
 
 
 def _param_slices(model: torch.nn.Module, flat: torch.Tensor):
@@ -176,18 +197,18 @@ class SwarmRounds:
             return grid.side(self.swarm_size, self.clock.dims, self.cfg.target_group_size)
         return min(self.cfg.target_group_size, self.swarm_size)
 
-    def _enter_line(self) -> Optional[tuple]:
-        """With a grid (a swarm beyond one group): point the averager at this round's line of the grid
-        (grid.py); the group key is unchanged while the swarm fits in one group. (round, dims, coords)."""
+    def _enter_line(self) -> tuple[Optional[tuple], Optional[str]]:
+        """With a grid (a swarm beyond one group): this round's line of the grid (grid.py), as (round,
+        dims, coords), and the averager's new group key bits if they change (the round's thread sets
+        them); the group key is unchanged while the swarm fits in one group."""
         if not self.cfg.grid:
-            return None
+            return None, None
         size, dims = self.cfg.target_group_size, self.clock.dims
         self.grid_coords = coords = grid.fit(self.grid_coords or [], dims, size, self.peer_id)
         bits = grid.key_bits(coords, round_=self.clock.round, dims=dims, size=size)
-        if bits != self.group_bits:
-            self.averager.set_group_bits(bits, wait=False)
-            self.group_bits = bits
-        return self.clock.round, dims, coords
+        changed = bits != self.group_bits
+        self.group_bits = bits
+        return (self.clock.round, dims, coords), (bits if changed else None)
 
     def _settle_cell(self, records: dict) -> None:
         """Move off a cell that another peer holds, or that lies outside the part of the grid the live
@@ -231,95 +252,159 @@ class SwarmRounds:
             self.due_steps = diloco.dynamic_inner_steps(self.cfg.inner_steps, speeds.get(self.peer_id),
                                                         list(speeds.values()))
 
-    def _refresh_swarm_outer_step(self) -> None:
-        """The highest outer step in the peers' progress records (read in the background)."""
-        if self._progress_reading is not None and self._progress_reading.done():
-            try:
-                self._note_progress(swarm.parse_progress(self._progress_reading.result()))
-            except Exception as e:  # a failed read only delays the staleness check
-                logger.debug(f"progress read failed: {e!r}")
-            self._progress_reading = None
-        now = time.monotonic()  # called every log interval; a big swarm's records are read less often
-        if (self._progress_reading is None
-                and now - self._progress_read_at >= 0.9 * swarm.progress_read_every(self.cfg, self.swarm_size)):
-            self._progress_read_at = now
-            self._progress_reading = self.dht.get(f"{self.cfg.dht_prefix}_progress", latest=True,
-                                                  return_future=True)
-
     # ------------------------------------------------------------------------- rounds
 
     def _start_round(self):
+        """Hand a round its pseudo-gradient. Here, in the training thread: one snapshot of the weights
+        and the round's announcement; the rest (pseudo-gradient, digest, eager preview, the averager's
+        settings) runs in the round's thread, in buffers allocated once (boundary.py)."""
         cfg = self.cfg
         age = max(0, self.swarm_outer_step - self.outer_step)
         too_stale = age > cfg.max_staleness
         if too_stale and not self.merging:
             self._resync(f"{age} outer steps behind the swarm", keep_local=False)
             return None
-        with self.state_lock:
-            delta = self.anchor.clone()  # - snapshot, parameter by parameter: no flat copy of the model
-            for param, part in _param_slices(self.model, delta):
-                part.sub_(param.detach().reshape(-1).to(part.device, part.dtype))
-            digest = diloco.anchor_digest(self.anchor, self.digest_idx)
-            # no copies: the round copies them into its buffer before it can finish, and only a
-            # finished round (or a resync between rounds) changes them
-            anchor, momentum = (self.anchor, self.momentum) if self.merging else (None, None)
-        if too_stale:  # too old to help: contribute nothing, take the group's anchor in the merge round
-            delta.zero_()
-        sent = delta  # what goes to the group; the eager preview below takes our own, honest delta
-        if TEST_CORRUPT.startswith("anchor_") and anchor is not None:  # its digest differs: every round merges
-            anchor = corrupt_for_test(anchor, TEST_CORRUPT.removeprefix("anchor_"))
-            digest = [v + 1.0 for v in digest]
-        elif TEST_CORRUPT:  # only the outgoing values: a faulty sender's own model must not blow up first
-            sent = corrupt_for_test(delta, TEST_CORRUPT)
-        elif SENDER_ATTACK:
-            prev = self._attack_prev if self._attack_prev is not None else delta
-            sent = attack_for_test(SENDER_ATTACK, delta, prev, self.outer_step)
+        self.boundary.snapshot()
         # per_contribution: equal weights, so slot j of the average is member j's pseudo-gradient / group size
         weight = 1.0 if cfg.outer_apply == "per_contribution" else contribution_weight(self.tokens_since_anchor, age)
         if too_stale:  # a zero pseudo-gradient must not dilute the others' average
             weight = 0.0
         gather = {"peer": self.peer_id, "outer_step": self.outer_step, "tokens": self.tokens_since_anchor,
-                  "digest": digest, "swarm": self.swarm_size, "waited": self.last_wait_s}
-        line = late = None
+                  "swarm": self.swarm_size, "waited": self.last_wait_s}
+        line = late = bits = None
         if self.clock is not None:  # our due time and speed: the group derives its next due time from them
-            line = self._enter_line()
+            line, bits = self._enter_line()
             gather.update(self.clock.announce(now=time.time(), inner_step=self.inner_step, swarm_size=self.swarm_size,
                                               mono=time.monotonic()))
             late = time.time() - gather["due"]
+        target = None
         if cfg.full_groups:  # everyone live (or our whole line) is expected: the group forms once they are all in
             live = self._full_group()
-            self.averager.set_target_group_size(live if live >= max(2, cfg.min_group_size) else cfg.target_group_size)
+            target = live if live >= max(2, cfg.min_group_size) else cfg.target_group_size
         # eager_mix: our pseudo-gradient is about 1/N of the group's average, the others' come from momentum
         own_share = 1.0 / max(1, self._full_group()) if cfg.eager_mix else 1.0
-        if self.eager:  # train the round in flight from where the anchor will about be (arXiv 2502.12996)
-            with torch.no_grad():
-                for param, part in _param_slices(self.model, delta):
-                    param.copy_(self._base(part, delta, eager=True, own_share=own_share).view_as(param))
-            self._params_changed = True
+        eager = self.eager
         self.steps_since_round = 0
         outer_step = self.outer_step
+
+        def pseudo_grad():  # in the round's thread
+            if bits is not None:
+                self.averager.set_group_bits(bits, wait=False)
+            if target is not None:
+                self.averager.set_target_group_size(target)
+            with self.state_lock:
+                delta = self.boundary.pseudo_grad_(self.anchor)
+                digest = diloco.anchor_digest(self.anchor, self.digest_idx)
+                # no copies: the round copies them into its buffer before it can finish, and only a
+                # finished round (or a resync between rounds) changes them
+                anchor, momentum = (self.anchor, self.momentum) if self.merging else (None, None)
+            if too_stale:  # too old to help: contribute nothing, take the group's anchor in the merge round
+                delta.zero_()
+            sent = delta  # what goes to the group; the eager preview below takes our own, honest delta
+            if TEST_CORRUPT.startswith("anchor_") and anchor is not None:  # its digest differs: every round merges
+                anchor = corrupt_for_test(anchor, TEST_CORRUPT.removeprefix("anchor_"))
+                digest = [v + 1.0 for v in digest]
+            elif TEST_CORRUPT:  # only the outgoing values: a faulty sender's own model must not blow up first
+                sent = corrupt_for_test(delta, TEST_CORRUPT)
+            elif SENDER_ATTACK:
+                prev = self._attack_prev if self._attack_prev is not None else delta
+                sent = attack_for_test(SENDER_ATTACK, delta, prev, outer_step)
+            if eager:  # train the round in flight from where the anchor will about be (arXiv 2502.12996)
+                self.boundary.stage_preview(self.momentum, cfg, own_share=own_share)
+            return sent, anchor, momentum, {"digest": digest}
 
         def formed() -> None:  # in the round's thread
             pending.formed_at_step, pending.formed_at = self.inner_step, time.monotonic()
             self.metrics.log("allreduce_started", outer_step=outer_step)
 
-        pending = PendingRound(None, delta, self.eager, self.tokens_since_anchor, weight, age,
+        pending = PendingRound(None, self.boundary.delta, eager, self.tokens_since_anchor, weight, age,
                                start_step=self.inner_step, started_at=time.monotonic(), own_share=own_share,
                                grid=line, late=late)
-        pending.future = self.rounds.start(sent, weight=weight, gather=gather, anchor=anchor, momentum=momentum,
-                                           on_allreduce=formed)
+        pending.future = self.rounds.start(pseudo_grad, weight=weight, gather=gather, on_allreduce=formed,
+                                           settle=lambda outcome: self._settle_round(pending, outcome))
         return pending
 
-    def _finish_round(self, pending: PendingRound) -> bool:
-        """Apply the round's average as one outer step (True), or discard it (False)."""
-        outcome: RoundOutcome = pending.future.result()
+    def _settle_round(self, pending: PendingRound, outcome: RoundOutcome) -> RoundOutcome:
+        """In the round's thread, once the round is over: decide what the outcome means for us and do its
+        arithmetic (the merged anchor, the outer step, the correction of the local weights that the
+        training thread applies at its next step boundary)."""
+        averager = self.averager  # None once the peer has closed
         try:
-            return self._apply_round(pending, outcome)
-        finally:  # a merge round's segments (read by _apply_round) go back to the system
-            if self.averager is not None:
-                self.averager.release_staging()
+            # the base our local steps train from: the eager preview only if the training thread took it
+            pending.eager = self.boundary.take_base() if pending.eager else False
+            if not outcome.ok:
+                if pending.eager:  # back onto the snapshot: the next pseudo-gradient carries our progress
+                    self.boundary.stage_undo(self.momentum, self.cfg, own_share=pending.own_share)
+                return outcome
+            members = list(outcome.members.values())
+            reference = max(members, key=lambda m: (m["outer_step"], m["peer"]))
+            mine = outcome.members[self.peer_id]
+            pending.spread = max(diloco.digest_spread(m["digest"], reference["digest"]) for m in members)
+            merged = outcome.anchor is not None
+            if not merged and diloco.digest_spread(mine["digest"], reference["digest"]) > self.cfg.anchor_tolerance:
+                pending.resync_to = reference["outer_step"] + 1  # the training thread downloads the state
+                return outcome
+            pending.diverged = sum(diloco.digest_spread(m["digest"], reference["digest"]) > self.cfg.anchor_tolerance
+                                   for m in members)
+            # every member derives the same share from the same announcements, so anchors stay equal
+            share = diloco.group_share([m.get("swarm", 1) for m in members]) if self.cfg.group_share else 1.0
+            pending.share = share
 
-    def _apply_round(self, pending: PendingRound, outcome: RoundOutcome) -> bool:
+            def move() -> None:  # the anchor and momentum become the new ones, in place
+                if merged:  # everyone's anchor and momentum, merged in the round: nobody's progress is lost
+                    self.anchor.copy_(outcome.anchor)  # in place: the outcome is a view of the round's buffer
+                    self.momentum.copy_(outcome.momentum)
+                if self.cfg.outer_apply == "per_contribution":  # the negative control: momentum per contribution
+                    for contribution in outcome.average.view(-1, self.numel)[:len(members)]:
+                        diloco.outer_step_(self.anchor, self.momentum, contribution * len(members),
+                                           outer_lr=self.cfg.outer_lr, outer_momentum=self.cfg.outer_momentum)
+                else:
+                    diloco.outer_step_(self.anchor, self.momentum, outcome.average, scale=share,
+                                       outer_lr=self.cfg.outer_lr, outer_momentum=self.cfg.outer_momentum)
+                if SENDER_ATTACK:  # per_contribution holds one slot per member: their sum is the average
+                    self._attack_prev = outcome.average.view(-1, self.numel)[:len(members)].sum(0)
+                self.outer_step = max(m["outer_step"] for m in members) + 1
+
+            with self._updating_state():
+                self.boundary.stage_outer(self.anchor, self.momentum, self.cfg, preview=pending.eager,
+                                          own_share=pending.own_share, move=move)
+                pending.digest = diloco.anchor_digest(self.anchor, self.digest_idx)
+            pending.applied = True
+            if averager is not None and not averager.client_mode:
+                averager.state_sharing_priority = float(self.outer_step)
+            return outcome
+        finally:  # a merge round's segments (read above) go back to the system
+            if averager is not None:
+                averager.release_staging()
+
+    def _finish_round(self, pending: PendingRound) -> bool:
+        """Land a round that is over, in the training thread: apply the correction its thread staged (one
+        fused add), then the bookkeeping. True when an outer step was applied. Logs the training thread's
+        cost of the round (a `boundary` record)."""
+        with self._boundary_cost(pending):
+            outcome: RoundOutcome = pending.future.result()
+            if self.boundary.apply_ready() is not None:  # the other ranks of a torchrun peer copy the weights
+                self._params_changed = True
+            applied = self._land_round(pending, outcome)
+        self.metrics.log("boundary", outer_step=self.outer_step, applied=applied, boundary_s=pending.boundary_s,
+                         faults=pending.faults, round_s=outcome.round_s)
+        return applied
+
+    @contextlib.contextmanager
+    def _boundary_cost(self, pending: Optional[PendingRound]):
+        """Count the seconds and page faults of the training thread inside the block into the round's
+        cost (and into outer_s, the run's total)."""
+        t0, faults0 = time.perf_counter(), thread_faults()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - t0
+            self.outer_s += seconds
+            if pending is not None:
+                pending.boundary_s += seconds
+                pending.faults += thread_faults() - faults0
+
+    def _land_round(self, pending: PendingRound, outcome: RoundOutcome) -> bool:
         tokens, weight, age = pending.tokens, pending.weight, pending.age
         if self.clock is not None:  # every member of a formed group leaves it with the same next due time
             if outcome.members:
@@ -333,7 +418,6 @@ class SwarmRounds:
         # bad_contribution and reducer_check events; a peer that keeps attacking is banned (suspects.py)
         self.suspects.judge(outcome, self.metrics, self.averager, outer_step=self.outer_step)
         if not outcome.ok:
-            self._undo_preview(pending)
             self._count_from_formation(pending)
             self.metrics.log("round_failed", reason=outcome.reason, outer_step=self.outer_step,
                              round_s=outcome.round_s, grid=list(pending.grid) if pending.grid else None,
@@ -341,66 +425,35 @@ class SwarmRounds:
             self.rounds_failed += 1
             logger.info(f"round discarded: {outcome.reason}")
             return False
-        members = list(outcome.members.values())
-        reference = max(members, key=lambda m: (m["outer_step"], m["peer"]))
-        mine = outcome.members[self.peer_id]
-        spread = max(diloco.digest_spread(m["digest"], reference["digest"]) for m in members)
-        merged = outcome.anchor is not None
-        if not merged and diloco.digest_spread(mine["digest"], reference["digest"]) > self.cfg.anchor_tolerance:
+        if not pending.applied:  # our anchor differs from the group's
             # our progress since the round's base goes onto the downloaded anchor; if no download
             # comes, it goes back onto our snapshot (the pseudo-gradient is kept for that)
             self._kept = self._local_progress(pending, out=torch.empty_like(pending.delta))
             # the reference members apply this round: wait until one of them offers the result
-            self._resync(f"anchor differs from the group's (spread {spread:.2e})", keep_local=True,
-                         min_outer_step=reference["outer_step"] + 1, tokens_kept=self.tokens_since_anchor - tokens)
+            self._resync(f"anchor differs from the group's (spread {pending.spread:.2e})", keep_local=True,
+                         min_outer_step=pending.resync_to, tokens_kept=self.tokens_since_anchor - tokens)
             if self._kept is not None:  # no download came: our progress goes back onto our snapshot
                 self._kept = None
                 self._undo_preview(pending)
             return False
-        diverged = sum(diloco.digest_spread(m["digest"], reference["digest"]) > self.cfg.anchor_tolerance
-                       for m in members)
-        # the local weights become the new anchor + our progress since the round's base (before the anchor moves)
-        self._kept = self._local_progress(pending, out=pending.delta)
-        # every member derives the same share from the same announcements, so anchors stay equal
-        share = diloco.group_share([m.get("swarm", 1) for m in members]) if self.cfg.group_share else 1.0
-        with self._updating_state():
-            if merged:  # everyone's anchor and momentum, merged in the round: nobody's progress is lost
-                self.anchor.copy_(outcome.anchor)  # in place: the outcome is a view of the round's buffer
-                self.momentum.copy_(outcome.momentum)
-            if self.cfg.outer_apply == "per_contribution":  # the negative control: momentum per contribution
-                for contribution in outcome.average.view(-1, self.numel)[:len(members)]:
-                    diloco.outer_step_(self.anchor, self.momentum, contribution * len(members),
-                                       outer_lr=self.cfg.outer_lr, outer_momentum=self.cfg.outer_momentum)
-            else:
-                diloco.outer_step_(self.anchor, self.momentum, outcome.average, scale=share,
-                                   outer_lr=self.cfg.outer_lr, outer_momentum=self.cfg.outer_momentum)
-            if SENDER_ATTACK:  # per_contribution holds one slot per member: their sum is the average
-                self._attack_prev = outcome.average.view(-1, self.numel)[:len(members)].sum(0)
-            self.outer_step = max(m["outer_step"] for m in members) + 1
-        self._place_progress()  # diloco.merge_local, parameter by parameter
+        members = list(outcome.members.values())
         self._params_changed = True
         self.tokens_since_anchor -= tokens
         if self._count_from_formation(pending):
             self._schedule_lead(pending, members)
         self.swarm_outer_step = max(self.swarm_outer_step, self.outer_step)
-        if not self.averager.client_mode:
-            self.averager.state_sharing_priority = float(self.outer_step)
         report = outcome.report
         self.last_group_size = len(members)
         self.rounds_applied += 1
         if self.outer_step % self.cfg.eval_every == 0:
-            self.last_eval_loss = eval_loss = self._evaluate()
-        else:
-            eval_loss = None
-        self.metrics.log("outer", outer_step=self.outer_step, group_size=len(members), share=share, weight=weight,
-                         tokens=tokens, staleness=age, round_s=outcome.round_s, bytes_sent=report.bytes_sent,
-                         bytes_recv=report.bytes_recv, anchor_spread=spread, eval_loss=eval_loss,
-                         eval_bpb=self.bits_per_byte(eval_loss), diverged_members=diverged, merged=merged,
+            self.evaluator.request(self.outer_step)
+        self.metrics.log("outer", outer_step=self.outer_step, group_size=len(members), share=pending.share,
+                         weight=weight, tokens=tokens, staleness=age, round_s=outcome.round_s,
+                         bytes_sent=report.bytes_sent, bytes_recv=report.bytes_recv, anchor_spread=pending.spread,
+                         diverged_members=pending.diverged, merged=outcome.anchor is not None,
                          swarm_size=self.swarm_size, members=[m[-6:] for m in sorted(outcome.members)],
                          grid=list(pending.grid) if pending.grid else None,  # [round, dims, our cell]
-                         late=pending.late,
-                         lead_steps=self.lead_steps,
-                         digest=diloco.anchor_digest(self.anchor, self.digest_idx))
+                         late=pending.late, lead_steps=self.lead_steps, digest=pending.digest)
         if self.outer_step % self.cfg.checkpoint_every == 0:
             self._save_checkpoint()
         return True

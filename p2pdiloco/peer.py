@@ -29,13 +29,18 @@ import torch
 
 from p2pdiloco import bootstrap, checkpoint, diloco, reachability, schedule, sinks, state, swarm
 from p2pdiloco.averaging import DilocoAverager, RoundRunner, quiet_expected_events
+from p2pdiloco.boundary import Boundary
 from p2pdiloco.config import ConfigError
 from p2pdiloco.data import DataError, load_data
 from p2pdiloco.data.claims import ShardClaims, Stopped
+from p2pdiloco.data.feed import DataFeed
 from p2pdiloco.data.fetch import ShardCache, ShardSource
+from p2pdiloco.evaluator import Evaluator
 from p2pdiloco.metrics import Metrics
 from p2pdiloco.model import build_model, flat_params, load_flat_, num_params
 from p2pdiloco.outer import PendingRound, SwarmRounds
+from p2pdiloco.records import SwarmRecords
+from p2pdiloco.steptimer import StepTimer
 from p2pdiloco.ranks import Ranks
 from p2pdiloco.suspects import Suspects
 
@@ -75,6 +80,30 @@ def fixed_mmap_threshold(nbytes: int = 1 << 20) -> None:
         logger.debug(f"mallopt unavailable: {e!r}")
 
 
+def _cpu_copy(obj):
+    """A copy of a state dict's tensors on the CPU (an optimizer's state changes in place every step)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return obj
+
+
+def eval_module(cfg, model: torch.nn.Module) -> torch.nn.Module:
+    """The module the evaluator's thread runs beside the training: its parameters come at each call
+    (views of the anchor), so built on the meta device it holds no memory of its own and shares no
+    state with the module being trained; a model that cannot be built there is copied."""
+    try:
+        with torch.device("meta"):
+            module = build_model(cfg, pretrained=False)
+    except (RuntimeError, NotImplementedError, ValueError) as e:
+        logger.debug(f"meta-device build failed ({e!r}); evaluating a copy of the model")
+        module = copy.deepcopy(model)
+    return module.eval()
+
+
 def model_size(cfg) -> int:
     """The number of parameters of the config's model, built on the meta device (no memory); a
     model whose init needs real values (some Hugging Face ones call .item()) is built on the CPU."""
@@ -101,7 +130,13 @@ class Peer(SwarmRounds):
         self.claims = None  # data/claims.py, for prepared tokens
         self.shard_source = None  # data/fetch.py: the shards we hold, and the others from peers
         self.pending = None
-        self._progress_reading, self._progress_read_at = None, -math.inf
+        # parts the peer owns, each on its own thread where it blocks (started once training begins)
+        self.boundary: Optional[Boundary] = None  # the round boundary's buffers (boundary.py)
+        self.evaluator: Optional[Evaluator] = None  # the anchor's evaluation
+        self.records: Optional[SwarmRecords] = None  # our DHT records and the others'
+        self.feed: Optional[DataFeed] = None  # batches, and the shard claims behind them
+        self._writer: Optional[threading.Thread] = None  # the checkpoint being written
+        self.data = None
         self.model, self.opt, self.eval_fn = model, inner_opt, eval_fn
         self.handle_signals = handle_signals
         # torchrun: DDP inside this peer, rank 0 talks to the swarm (a caller's own model brings its own)
@@ -180,12 +215,11 @@ class Peer(SwarmRounds):
         self.metrics.log("reachability", mode=self.reach.mode, reached=self.reach.reached, tried=self.reach.tried,
                          answers=self.reach.answers, errors=self.reach.errors, check_s=self.reach.check_s)
         swarm.check_run_config(self.dht, cfg)
-        self._announced = time.monotonic()
         slots = cfg.target_group_size if cfg.outer_apply == "per_contribution" else 1
         # merge_anchors: one buffer for [pseudo-gradient | anchor | momentum], the last two used by merge rounds
         self.merging = cfg.merge_anchors and slots == 1
         # prepared tokens read in claimed order: we serve the shards we hold and fetch the others
-        data = getattr(self, "data", None)
+        data = self.data
         sharing = getattr(data, "fetch", False) and cfg.data_order == "claims"
         self.averager = DilocoAverager([torch.empty(self.numel * (3 if self.merging else slots))], self.dht,
                                        cfg=cfg, shared=self.shared, slots=slots,
@@ -207,7 +241,7 @@ class Peer(SwarmRounds):
         read random windows in their own order."""
         self.claims = None
         if (not self.leader or self.cfg.data_order != "claims"
-                or getattr(getattr(self, "data", None), "claimable", None) is None):
+                or getattr(self.data, "claimable", None) is None):
             return
         try:
             live = swarm.read_status(self.dht, self.cfg, timeout=self.cfg.request_timeout)
@@ -253,9 +287,11 @@ class Peer(SwarmRounds):
         if own_model:
             torch.manual_seed(cfg.seed)  # every peer starts from the same init
             self.model = build_model(cfg).to(self.device)
+            # fused AdamW on CUDA: one kernel for all parameters instead of a few per parameter
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.inner_lr, weight_decay=cfg.weight_decay,
-                                         betas=(0.9, 0.95))
+                                         betas=(0.9, 0.95), fused=self.device.type == "cuda")
             self.eval_set = self.data.eval_batches(cfg.batch_size, cfg.eval_batches)
+            self.eval_model = eval_module(cfg, self.model)
         elif self.eval_fn is not None:  # a caller's eval_fn takes a module: it gets a copy holding the anchor
             self.eval_model = copy.deepcopy(self.model).eval()
         self.anchor, self.momentum = self.shared.anchor, self.shared.momentum  # changed in place only
@@ -266,6 +302,11 @@ class Peer(SwarmRounds):
             self.anchor.copy_(flat_params(self.model))
         if self.resume is not None:
             self._restore(self.resume)
+        if self.leader:
+            self.boundary = Boundary(list(self.model.parameters()), numel=self.numel)
+        # the inner steps' module: compiled on CUDA by default (its parameters are the model's own)
+        compile_on = cfg.compile == "on" or (cfg.compile == "auto" and self.device.type == "cuda")
+        self.step_model = torch.compile(self.model) if own_model and compile_on else self.model
 
     def _check_reachability(self) -> reachability.Reachability:
         """Ask other peers to dial us back (reachability = auto); a peer nobody can dial averages as a
@@ -336,21 +377,40 @@ class Peer(SwarmRounds):
         except (KeyError, ValueError, RuntimeError) as e:
             logger.warning(f"inner optimizer state not restored ({e!r}); AdamW starts fresh")
 
-    def _save_checkpoint(self) -> None:
+    def _save_checkpoint(self, *, wait: bool = False) -> None:
+        """A checkpoint from a snapshot: the local weights and the inner optimizer's state are copied here
+        (a step boundary), the anchor and momentum by the writer's thread, which writes the file (atomically:
+        a kill mid-write leaves the previous one). A write still running makes this one skip, unless wait
+        (the last one, at the end). The writer drops a snapshot whose anchor moved meanwhile (an outer step
+        landed in the round's thread): local weights and anchor must belong together."""
         if not self.cfg.checkpoint_dir:
             return
-        with self.state_lock:
-            payload = {"format": 1, "run_id": self.cfg.run_id, "fingerprint": self.cfg.fingerprint(),
-                       "outer_step": self.outer_step, "anchor": self.anchor,
-                       "momentum": self.momentum}  # no copies: only this thread changes them, and it is saving
-        payload.update(inner_step=self.inner_step, local=flat_params(self.model),
-                       inner_opt=self.opt.state_dict(), peer=self.peer_id,
-                       data_order=self.claims.state() if self.claims is not None else None)
-        try:
-            checkpoint.save_checkpoint(self.cfg.checkpoint_dir, payload, outer_step=self.outer_step)
-        except OSError as e:  # disk full, dir removed...: keep training, the previous checkpoint stays
-            self.metrics.log("checkpoint_failed", reason=str(e), outer_step=self.outer_step)
-            self._progress(f"p2pdiloco: checkpoint write failed, previous one kept: {e}")
+        if self._writer is not None and self._writer.is_alive():
+            if not wait:
+                return
+            self._writer.join()
+        outer_step = self.outer_step
+        payload = {"format": 1, "run_id": self.cfg.run_id, "fingerprint": self.cfg.fingerprint(),
+                   "outer_step": outer_step, "inner_step": self.inner_step, "local": flat_params(self.model).cpu(),
+                   "inner_opt": _cpu_copy(self.opt.state_dict()), "peer": self.peer_id,
+                   "data_order": self.claims.state() if self.claims is not None else None}
+
+        def write() -> None:
+            with self.state_lock:
+                if self.outer_step != outer_step:
+                    logger.info(f"checkpoint of outer step {outer_step} skipped: the anchor moved meanwhile")
+                    return
+                payload.update(anchor=self.anchor.clone(), momentum=self.momentum.clone())
+            try:
+                checkpoint.save_checkpoint(self.cfg.checkpoint_dir, payload, outer_step=outer_step)
+            except OSError as e:  # disk full, dir removed...: keep training, the previous checkpoint stays
+                self.metrics.log("checkpoint_failed", reason=str(e), outer_step=outer_step)
+                self._progress(f"p2pdiloco: checkpoint write failed, previous one kept: {e}")
+
+        self._writer = threading.Thread(target=write, name="checkpoint-writer", daemon=True)
+        self._writer.start()
+        if wait:
+            self._writer.join()
 
     def _join(self) -> None:
         """Load the swarm's outer state before training; the first peer starts the swarm.
@@ -437,26 +497,34 @@ class Peer(SwarmRounds):
                 self._check_swarm_outer_step()
         # eager outer updates need training while a round runs (not synchronous DiLoCo)
         self.eager = self.cfg.eager_outer and not self.cfg.sync_rounds and self.cfg.outer_apply == "group"
-        self._progress_reading = None
         self.pending: Optional[PendingRound] = None
+        self._awaiting_read = -math.inf  # after a freeze: no round before the others' records are read (until then)
         self.t_start = self._last_log = self._last_step = time.monotonic()
-        self._published_at = self._status_published_at = -math.inf  # our last progress and status records
-        self._status_news = None  # what our last status record said that status must show at once
-        self.compute_s = 0.0  # inside forward, backward and the optimizer step: the utilization numerator
+        self.timer = StepTimer(self.device)  # inside forward, backward and optimizer step: the utilization numerator
         self.data_s = 0.0  # waiting for the next batch
-        # in this (the trainer's) thread, handing a round its pseudo-gradient and applying what came back (the
-        # outer step, the merge, the anchor's evaluation): where a GPU peer's wall time goes besides its steps
+        # in this (the training) thread, the rounds' boundaries: the snapshot, the corrections of the weights and
+        # the bookkeeping of a round's landing (boundary.py), with any resync download
         self.outer_s = 0.0
-        self.eval_s = 0.0  # of which evaluating the anchor
+        self.eval_s = 0.0  # of which evaluating the anchor here (the final evaluation)
         self._loss_sum, self._loss_n, self._tokens_at_log = 0.0, 0, 0
         self.last_loss = math.nan
+        if self.leader:
+            self.evaluator = Evaluator(self._evaluate_anchor, budget=self.cfg.eval_budget, on_result=self._evaluated)
+            self.records = SwarmRecords(self.dht, self.cfg, claims=self.claims, shard_source=self.shard_source,
+                                        swarm_size=lambda: self.swarm_size)
+
+    @property
+    def compute_s(self) -> float:
+        return self.timer.total_s
 
     def _train(self) -> None:
         cfg = self.cfg
         self.begin_training()
         tokens_per_step = cfg.batch_size * cfg.block_size * (self.ranks.world_size if self.ranks else 1)
-        self.gen = self._data_order()
-        model = self.model
+        gen = self._data_order()
+        self.feed = DataFeed(lambda: self.data.train_batch(cfg.batch_size, gen), depth=2,
+                             pin=self.device.type == "cuda", stop_event=self.stop_event)
+        model = self.step_model
         if self.ranks:  # gradients averaged across this peer's ranks every step; starts from rank 0's weights
             model = self.ranks.wrap(self.model)
             self.ranks.share_optimizer_state(self.opt, resumed=self.resume is not None)
@@ -475,12 +543,11 @@ class Peer(SwarmRounds):
                 group["lr"] = lr
             t_data = time.perf_counter()
             try:
-                batch = self.data.train_batch(cfg.batch_size, self.gen)
+                x, y = (t.to(self.device, non_blocking=True) for t in self.feed.next())
             except Stopped:  # stopped while waiting for a shard to read: the loop's top ends it
                 continue
-            x, y = (t.to(self.device, non_blocking=True) for t in batch)
-            t_compute = time.perf_counter()
-            self.data_s += t_compute - t_data
+            self.data_s += time.perf_counter() - t_data
+            self.timer.start()
             with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 loss = model(x, y)
             loss.backward()
@@ -488,10 +555,7 @@ class Peer(SwarmRounds):
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # time the step, not its launch
-            step_s = time.perf_counter() - t_compute
-            self.compute_s += step_s
+            step_s = self.timer.stop()
             if cfg.slowdown > 1:
                 time.sleep(step_s * (cfg.slowdown - 1))
             if self.leader:
@@ -501,9 +565,9 @@ class Peer(SwarmRounds):
         self.finish_training()
 
     def after_step(self, loss: Optional[torch.Tensor], tokens: int) -> bool:
-        """Count one inner step (its loss, its tokens); apply a round that came back; every
-        inner_steps steps hand the pseudo-gradient to a background round. True when an outer step
-        was applied (the local weights moved)."""
+        """Count one inner step (its loss, its tokens); apply a weight correction that a round staged; land a
+        round that came back; every inner_steps steps hand the pseudo-gradient to a background round. True
+        when an outer step was applied (the local weights moved onto a new anchor)."""
         cfg = self.cfg
         # a gap longer than a round could take: we were frozen (SIGSTOP, suspend, swap); the swarm
         # moved on, so look at where it is before contributing anything
@@ -511,7 +575,8 @@ class Peer(SwarmRounds):
         if now - self._last_step > cfg.allreduce_timeout:
             if self.clock is not None:  # our due time passed while we slept: take the swarm's phase
                 self.clock.in_phase = False
-            self._check_swarm_outer_step()
+            self.records.ask_read()
+            self._awaiting_read = now + 10.0
         self._last_step = now
         self.inner_step += 1
         self.steps_since_round += 1
@@ -520,30 +585,39 @@ class Peer(SwarmRounds):
         if loss is not None:
             self._loss_sum = self._loss_sum + loss  # a tensor on the device: no sync per step
             self._loss_n += 1
+        found = self.records.take_read()
+        if found is not None:  # the others' progress records, read by the records thread
+            self._note_progress(found)
+            self._awaiting_read = -math.inf
+
+        # --- a correction staged by the round's thread: the eager preview ------------------
+        if self.pending is not None and self.boundary.ready() and not self.pending.future.done():
+            with self._boundary_cost(self.pending):
+                if self.boundary.apply_ready() is not None:
+                    self._params_changed = True
 
         # --- outer step: a round came back -----------------------------------------
         applied = False
         if self.pending is not None and self.pending.future.done():
             pending, self.pending = self.pending, None
-            t_outer = time.perf_counter()
             applied = self._finish_round(pending)
-            del pending  # its pseudo-gradient (4 B/param) goes before the next round's is made
-            self.outer_s += time.perf_counter() - t_outer
 
         # --- every inner_steps steps: hand the pseudo-gradient to a background round ----
-        if self.pending is None:
+        if self.pending is None and now >= self._awaiting_read:
             enter = (self.clock.should_enter(now=time.time(), inner_step=self.inner_step, mono=time.monotonic())
                      if self.clock else None)
             if enter is None:  # no schedule (yet): every inner_steps steps
                 enter = self.steps_since_round >= self.due_steps - self.lead_steps
             if enter:
-                t_outer = time.perf_counter()
-                self.pending = self._start_round()
-                self.outer_s += time.perf_counter() - t_outer
+                cost = PendingRound(None, None, False, 0, 0.0, 0)  # the cost of the start, until the round exists
+                with self._boundary_cost(cost):
+                    self.pending = self._start_round()
+                if self.pending is not None:
+                    self.pending.boundary_s, self.pending.faults = cost.boundary_s, cost.faults
                 if cfg.sync_rounds:
                     applied = self._wait_round_sync(self.t_start) or applied
 
-        # --- every log interval: status line, metrics, progress record -------------------
+        # --- every log interval: status line, metrics, our records ----------------------
         now = time.monotonic()
         if now - self._last_log >= cfg.log_interval:
             self.last_loss = float(self._loss_sum) / self._loss_n if self._loss_n else math.nan
@@ -556,12 +630,15 @@ class Peer(SwarmRounds):
         """After the loop: let the last round land (after a budget, not a signal), then the final
         evaluation and checkpoint."""
         wall_s = time.monotonic() - self.t_start
+        if self.feed is not None:
+            self.feed.close()
         if self.leader:
             if self.pending is not None and not self.stop_event.is_set():
                 concurrent.futures.wait([self.pending.future], timeout=self._round_bound())
             if self.pending is not None and self.pending.future.done():
                 pending, self.pending = self.pending, None
                 self._finish_round(pending)
+        self.timer.drain(wait=True)
         extra = {}
         if self.ranks:  # one last copy of the leader's weights, then check that every rank holds them
             self._sync_ranks(True)
@@ -571,12 +648,26 @@ class Peer(SwarmRounds):
         if self.claims is not None:
             self.claims.release()
             self.shard_source.announce(set())
-        eval_loss = self._evaluate()
+        t0 = time.perf_counter()
+        eval_loss = self.evaluator.final()
+        self.eval_s += time.perf_counter() - t0
+        split = self.time_split(wall_s)
         self.metrics.log("final", inner_step=self.inner_step, outer_step=self.outer_step, eval_loss=eval_loss,
                          eval_bpb=self.bits_per_byte(eval_loss), tokens=self.tokens, data_s=self.data_s,
                          compute_s=self.compute_s, outer_s=self.outer_s, eval_s=self.eval_s, wall_s=wall_s,
+                         eval_bg_s=self.evaluator.spent_s, evals=self.evaluator.count, split=split,
                          final_wait_s=time.monotonic() - self.t_start - wall_s, **extra)
-        self._save_checkpoint()
+        self._progress("p2pdiloco: wall time " + "  ".join(f"{k} {v:.1%}" for k, v in split.items())
+                       + f"  (evaluations in the background: {self.evaluator.count}, "
+                         f"{self.evaluator.spent_s:.1f}s)")
+        self._save_checkpoint(wait=True)
+
+    def time_split(self, wall_s: float) -> dict:
+        """Where the training thread's wall time went: inner steps, waiting for data, round boundaries,
+        evaluation in this thread (the final one), and the rest (logging, the step loop's own work)."""
+        parts = {"inner_steps": self.compute_s, "data": self.data_s, "boundary": self.outer_s}
+        parts["rest"] = max(0.0, wall_s - sum(parts.values()))
+        return {k: round(v / wall_s, 5) if wall_s > 0 else 0.0 for k, v in parts.items()}
 
     def _sync_ranks(self, stop: bool) -> bool:
         """Once per inner step on every rank: the leader's stop decision, schedule position and,
@@ -596,31 +687,14 @@ class Peer(SwarmRounds):
         return self.cfg.max_time > 0 and time.monotonic() - t_start >= self.cfg.max_time
 
     def _log_inner(self, tokens_per_s: float) -> None:
+        """The status line and inner metrics; our records go to the records thread (no DHT call here)."""
         self.metrics.log("inner", inner_step=self.inner_step, outer_step=self.outer_step, loss=self.last_loss,
                          tokens=self.tokens, tokens_per_s=tokens_per_s, compute_s=self.compute_s, data_s=self.data_s,
                          outer_s=self.outer_s, eval_s=self.eval_s,
                          **({"data": self.claims.position()} if self.claims is not None else {}))
         self.metrics.status(f"[{self.peer_id[-6:]}] step {self.inner_step:6d}  outer {self.outer_step:4d}  "
                             f"loss {self.last_loss:6.3f}  {tokens_per_s:8.0f} tok/s")
-        if time.monotonic() - self._announced > 60:
-            swarm.announce_config(self.dht, self.cfg)
-            self._announced = time.monotonic()
-        if self.claims is not None:
-            self.claims.renew()
-            self.shard_source.announce()
-        # our record as often as we read the others' (spaced out in a big swarm): the bytes per peer stay flat
-        every = swarm.progress_read_every(self.cfg, self.swarm_size)
-        if time.monotonic() - self._published_at >= 0.9 * every or "stores" in swarm.LEGACY_DHT:
-            record = self._progress_record(tokens_per_s)
-            swarm.publish_progress(self.dht, self.cfg, record, every=every)
-            self._published_at = time.monotonic()
-            # and the status record every STATUS_EVERY s, or at once when a ban or an address changed
-            news = (record.get("banned"), record["maddrs"], record["reachability"])
-            if (self._published_at - self._status_published_at >= 0.9 * max(every, swarm.STATUS_EVERY)
-                    or news != self._status_news):
-                swarm.publish_status(self.dht, self.cfg, record, every=max(every, swarm.STATUS_EVERY))
-                self._status_published_at, self._status_news = self._published_at, news
-        self._refresh_swarm_outer_step()
+        self.records.publish(self._progress_record(tokens_per_s))
 
     def _progress_record(self, tokens_per_s: float) -> dict:
         """What `status` and `monitor` show of this peer: its status record, whose PROGRESS_FIELDS are also
@@ -631,50 +705,57 @@ class Peer(SwarmRounds):
                 "group_size": self.last_group_size, "rounds_applied": self.rounds_applied,
                 "rounds_failed": self.rounds_failed, "eval_loss": self.last_eval_loss, "time": time.time(),
                 **({"data": self.claims.position()} if self.claims is not None else {}),
-                **({"banned": self.suspects.record()} if getattr(self, "suspects", None) and self.suspects.banned()
-                   else {}),
+                **({"banned": self.suspects.record()} if self.suspects.banned() else {}),
                 **(self.clock.record() if self.clock else {}),
                 **({"cell": self.grid_coords} if self.grid_coords is not None else {})}
 
     def bits_per_byte(self, loss: Optional[float]) -> Optional[float]:
         """A held-out loss in bits per byte of text (None without our own data)."""
-        data = getattr(self, "data", None)
-        return None if loss is None or data is None else round(data.bits_per_byte(loss), 5)
+        return None if loss is None or self.data is None else round(self.data.bits_per_byte(loss), 5)
+
+    def _evaluated(self, outer_step: int, loss: Optional[float], seconds: float) -> None:
+        """An evaluation of the anchor at outer_step is done (the evaluator's thread, or the final one)."""
+        if loss is None:
+            return
+        self.last_eval_loss = loss
+        self.metrics.log("eval", outer_step=outer_step, eval_loss=loss, eval_bpb=self.bits_per_byte(loss),
+                         eval_s=seconds)
 
     @torch.no_grad()
-    def _evaluate(self) -> Optional[float]:
-        t0 = time.perf_counter()
-        try:
-            return self._evaluate_anchor()
-        finally:
-            self.eval_s += time.perf_counter() - t0
-
-    def _evaluate_anchor(self) -> Optional[float]:
-        """Loss of the anchor (the swarm's model) on the held-out batches, or the caller's eval_fn
-        on the anchor; None when there is nothing to evaluate with. Our own model runs with its
-        parameters swapped for views of the anchor (torch.func.functional_call): no second model
-        in memory on the CPU; on a GPU the anchor's values are copied there for the evaluation."""
+    def _evaluate_anchor(self) -> tuple[Optional[float], int]:
+        """(Loss of the anchor (the swarm's model) on the held-out batches, or the caller's eval_fn on
+        the anchor; None when there is nothing to evaluate with; the anchor's outer step). Runs beside
+        the training: our own model's evaluation module takes views of the anchor as its parameters
+        (torch.func.functional_call), so on the CPU no copy of the model is made and the state lock is
+        held throughout (the round's thread waits to move the anchor); on a GPU the anchor is copied
+        there under the lock, then evaluated without it."""
         if self.eval_fn is not None:
             with self.state_lock:
                 load_flat_(self.eval_model, self.anchor)
-            return float(self.eval_fn(self.eval_model))
+                outer_step = self.outer_step
+            return float(self.eval_fn(self.eval_model)), outer_step
         if self.eval_set is None:
-            return None
+            return None, self.outer_step
+        on_cpu = self.device.type == "cpu"
+        with self.state_lock:
+            outer_step = self.outer_step
+            flat = self.anchor if on_cpu else self.anchor.to(self.device)
+            if on_cpu:
+                return self._held_out_loss(flat), outer_step
+        return self._held_out_loss(flat), outer_step
+
+    def _held_out_loss(self, flat: torch.Tensor) -> float:
         params, offset = {}, 0
         for name, p in self.model.named_parameters():
-            params[name] = self.anchor[offset:offset + p.numel()].view_as(p).to(self.device)
+            params[name] = flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
-        was_training = self.model.training
-        self.model.eval()
+        params.update(self.model.named_buffers())
         losses = []
-        try:
-            for x, y in self.eval_set:
-                with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                    loss = torch.func.functional_call(self.model, params, (x.to(self.device), y.to(self.device)))
-                losses.append(float(loss))
-        finally:
-            self.model.train(was_training)
-        return sum(losses) / len(losses)
+        for x, y in self.eval_set:
+            with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                loss = torch.func.functional_call(self.eval_model, params, (x.to(self.device), y.to(self.device)))
+            losses.append(loss)
+        return float(torch.stack(losses).mean())
 
     # --------------------------------------------------------------------------- stop
 
@@ -688,7 +769,10 @@ class Peer(SwarmRounds):
             self.averager = None
         # let DHT calls in flight (a round's verdict, a progress read) finish before the DHT goes:
         # hivemind's DHT can hang on shutdown when a request arrives while it stops
-        for future in (self.pending.future if self.pending else None, self._progress_reading):
+        for part in (self.feed, self.records, self.evaluator):
+            if part is not None:
+                part.close()
+        for future in (self.pending.future if self.pending else None,):
             if future is not None:
                 try:
                     future.result(timeout=2.0)

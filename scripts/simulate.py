@@ -35,7 +35,7 @@ the round lands, `observe`, `adopt` and `grid.settle` at each progress read, spa
   constant. A joiner downloads the state (8 bytes per parameter) from one live peer, then reads the
   progress records and adopts the swarm's phase (peer.begin_training).
 - Progress records: stored and read every progress_read_every(N seen) s, on the peer's log ticks,
-  expiring after max(15, 3 x that); a read is used at the next tick (outer._refresh_swarm_outer_step).
+  expiring after max(15, 3 x that); a read is used at the next tick (records.py).
   They give the peer's swarm size, the phase to adopt and the cells to settle against.
 - DHT cost (messages and bytes per peer): a node search asks all N - 1 peers up to BEAM + 1 peers
   (the peers' beam, bootstrap.DHT_BUCKET_SIZE; no early stop), beyond that BEAM + ALPHA x log2(N / BEAM); each reply
@@ -398,7 +398,7 @@ class Sim:
         self.push(t + s.log_interval, self.tick, p, 1)
 
     def tick(self, t: float, p: Peer, j: int) -> None:
-        """peer._log_inner every log interval: our record, then outer._refresh_swarm_outer_step."""
+        """peer._log_inner every log interval: our record, then records.py reads the others."""
         if not p.alive:
             return
         s, n = self.s, len(self.live)

@@ -578,6 +578,7 @@ def test_a_failed_round_counts_the_next_inner_steps_as_an_applied_one(full_group
     import concurrent.futures
 
     from p2pdiloco.averaging import RoundOutcome
+    from p2pdiloco.boundary import Boundary
     from p2pdiloco.metrics import Metrics
     from p2pdiloco.outer import PendingRound, SwarmRounds
     from p2pdiloco.suspects import Suspects
@@ -587,6 +588,7 @@ def test_a_failed_round_counts_the_next_inner_steps_as_an_applied_one(full_group
     loop.rounds_failed, loop.outer_step, loop.averager = 0, 3, None
     loop.suspects = Suspects(ban_time=0.0)
     loop.inner_step, loop.steps_since_round = 130, 30   # we entered matchmaking at step 100
+    loop.boundary, loop.outer_s = Boundary([torch.zeros(4)], numel=4), 0.0
     future = concurrent.futures.Future()
     future.set_result(RoundOutcome(ok=False, reason="incomplete round: 5888 of 120576 values never came back"))
     pending = PendingRound(future, torch.zeros(4), False, 0, 1.0, 0, start_step=100, formed_at_step=formed_at_step)

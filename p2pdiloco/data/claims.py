@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -127,12 +128,19 @@ class ShardClaims:
         self.source = source  # fetch.py's ShardSource, or None: every shard is here
         self.stop_event = stop_event
         self._fill_at = 0.0  # when to look again for shards to fill empty slots
+        # take() runs in the data feed's thread, renew() in the records thread, release() and restore() in
+        # the training thread: one at a time. position() and state() only read (a copy of the slots).
+        self._lock = threading.RLock()
 
     # --- reading --------------------------------------------------------------------------
 
     def take(self, n: int) -> list[tuple[int, int]]:
         """The next n (shard, window) pairs of this peer's order, one slot after the other,
         claiming shards as slots empty."""
+        with self._lock:
+            return self._take(n)
+
+    def _take(self, n: int) -> list[tuple[int, int]]:
         if len(self.slots) < self.width and (not self.slots or time.monotonic() >= self._fill_at):
             self._fill()
         out: list[tuple[int, int]] = []
@@ -161,10 +169,11 @@ class ShardClaims:
 
     def position(self) -> dict:
         """Where the first slot reads (epoch, shard, cursor) and every slot's [epoch, shard, cursor]."""
-        first = self.slots[0] if self.slots else None
+        slots = list(self.slots)
+        first = slots[0] if slots else None
         return {"epoch": first.epoch if first else self.floor, "shard": first.shard if first else None,
                 "cursor": first.cursor if first else 0, "shards": self.n_shards,
-                "held": [[s.epoch, s.shard, s.cursor] for s in self.slots]}
+                "held": [[s.epoch, s.shard, s.cursor] for s in slots]}
 
     # --- the DHT --------------------------------------------------------------------------
 
@@ -288,6 +297,10 @@ class ShardClaims:
     def renew(self) -> None:
         """Every log interval, for each slot: report the range read, then renew the lease with the
         cursor, unless another live peer holds the shard now (a race we lost): then let it go."""
+        with self._lock:
+            self._renew()
+
+    def _renew(self) -> None:
         by_epoch = {e: self._read(e) for e in {s.epoch for s in self.slots}}
         for i, slot in enumerate(list(self.slots)):
             rec = by_epoch[slot.epoch].get(slot.shard, {})
@@ -307,18 +320,27 @@ class ShardClaims:
 
     def release(self) -> None:
         """At a clean stop: our shards are free at once, at our cursors."""
+        with self._lock:
+            self._release()
+
+    def _release(self) -> None:
         for slot in self.slots:
             self._publish(slot, lease_until=0.0, done=slot.cursor >= self.windows[slot.shard])
 
     # --- checkpoints ----------------------------------------------------------------------
 
     def state(self) -> dict:
-        return {"floor": self.floor, "token": self.token, "slots": [[s.epoch, s.shard, s.cursor] for s in self.slots]}
+        return {"floor": self.floor, "token": self.token,
+                "slots": [[s.epoch, s.shard, s.cursor] for s in list(self.slots)]}
 
     def restore(self, state: dict) -> None:
         """After a restart from a checkpoint: its claim token, so that the shards we were reading
         (their leases still ours, or run out) are taken back at the later of the checkpointed and
         published cursors."""
+        with self._lock:
+            self._restore(state)
+
+    def _restore(self, state: dict) -> None:
         try:
             token, floor = str(state["token"]), int(state["floor"])
             held = [(int(e), int(s), int(c)) for e, s, c in state.get("slots", [])]

@@ -1,0 +1,110 @@
+"""The peer's swarm records, kept by a background thread: the training thread makes no DHT call.
+
+    >>> records = SwarmRecords(dht, cfg, claims=claims, shard_source=source, swarm_size=lambda: n)
+    >>> records.publish(record)          # every log interval: our latest record (returns at once)
+    >>> records.ask_read()               # after a freeze: read the others' records now
+    >>> found = records.take_read()      # the others' progress records, once per read (or None)
+    >>> records.close()
+
+Each wake-up the thread does what a log interval asks of the DHT: our progress record (as often as
+we read the others', spaced out in a big swarm so that the bytes per peer stay flat), our status
+record (every STATUS_EVERY s, or at once when a ban or an address changed), the run's config
+announcement (every minute), the data claims' renewal and the shards we serve, and a read of the
+others' progress records. What it read is applied by the training thread (the schedule, the grid
+and the staleness check are the training thread's own), a dictionary handed over, not a DHT call.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from typing import Callable, Optional
+
+from p2pdiloco import swarm
+
+logger = logging.getLogger(__name__)
+
+CONFIG_EVERY = 60.0  # seconds between announcements of the run's config
+
+
+class SwarmRecords:
+    def __init__(self, dht, cfg, *, claims=None, shard_source=None, swarm_size: Callable[[], int]):
+        self.dht, self.cfg = dht, cfg
+        self.claims, self.shard_source = claims, shard_source
+        self.swarm_size = swarm_size
+        self._lock = threading.Condition()
+        self._record: Optional[dict] = None  # to publish
+        self._read_asked = False
+        self._found: Optional[dict] = None  # the last read, not yet taken
+        self._closed = False
+        self._announced = time.monotonic()
+        self._published_at = self._status_published_at = self._read_at = -math.inf
+        self._status_news = None  # what our last status record said that status must show at once
+        self._thread = threading.Thread(target=self._loop, name="swarm-records", daemon=True)
+        self._thread.start()
+
+    def publish(self, record: dict) -> None:
+        with self._lock:
+            self._record = record
+            self._lock.notify()
+
+    def ask_read(self) -> None:
+        with self._lock:
+            self._read_asked = True
+            self._lock.notify()
+
+    def take_read(self) -> Optional[dict]:
+        with self._lock:
+            found, self._found = self._found, None
+            return found
+
+    def close(self, timeout: float = 3.0) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        self._thread.join(timeout=timeout)
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while self._record is None and not self._read_asked and not self._closed:
+                    self._lock.wait()
+                if self._closed:
+                    return
+                record, self._record = self._record, None
+                asked, self._read_asked = self._read_asked, False
+            try:
+                if record is not None:
+                    self._keep_up(record)
+                self._read(force=asked)
+            except Exception as e:  # a slow or failed DHT call delays a record, never the training
+                logger.debug(f"swarm records: {e!r}")
+
+    def _keep_up(self, record: dict) -> None:
+        cfg, now = self.cfg, time.monotonic()
+        if now - self._announced > CONFIG_EVERY:
+            swarm.announce_config(self.dht, cfg)
+            self._announced = now
+        if self.claims is not None:
+            self.claims.renew()
+            self.shard_source.announce()
+        every = swarm.progress_read_every(cfg, self.swarm_size())
+        if time.monotonic() - self._published_at >= 0.9 * every or "stores" in swarm.LEGACY_DHT:
+            swarm.publish_progress(self.dht, cfg, record, every=every)
+            self._published_at = time.monotonic()
+            news = (record.get("banned"), record["maddrs"], record["reachability"])
+            if (self._published_at - self._status_published_at >= 0.9 * max(every, swarm.STATUS_EVERY)
+                    or news != self._status_news):
+                swarm.publish_status(self.dht, cfg, record, every=max(every, swarm.STATUS_EVERY))
+                self._status_published_at, self._status_news = self._published_at, news
+
+    def _read(self, *, force: bool) -> None:
+        now = time.monotonic()  # a big swarm's records are read less often
+        if not force and now - self._read_at < 0.9 * swarm.progress_read_every(self.cfg, self.swarm_size()):
+            return
+        self._read_at = now
+        found = swarm.read_progress(self.dht, self.cfg, timeout=10.0)
+        with self._lock:
+            self._found = found
