@@ -11,8 +11,8 @@ device holds the lock). Requests made while one runs count as one, run after it;
 dropped while the evaluations so far took more than `budget` of the wall time since the evaluator
 started: at 88.6M on a CPU one evaluation takes seconds, and with the default budget (1%) the
 anchor is evaluated about once per hundred times that. After a whole round every member holds the
-same anchor, so the swarm learns nothing new from each member evaluating it; each peer still evaluates its own (its status line,
-its `final` record), within its budget.
+same anchor, so the swarm learns nothing new from each member evaluating it; each peer still
+evaluates its own (its status line, its `final` record), within its budget.
 """
 
 from __future__ import annotations
