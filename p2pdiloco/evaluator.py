@@ -70,7 +70,7 @@ class Evaluator:
         with self._wake:
             self._closed = True
             self._wake.notify_all()
-        self._thread.join(timeout=2.0)
+        self._thread.join(timeout=1.0)
 
     def _run(self) -> Optional[float]:
         t0 = time.perf_counter()

@@ -30,11 +30,11 @@ import torch
 from p2pdiloco import bootstrap, checkpoint, diloco, reachability, schedule, sinks, state, swarm
 from p2pdiloco.averaging import DilocoAverager, RoundRunner, quiet_expected_events
 from p2pdiloco.boundary import Boundary
-from p2pdiloco.config import ConfigError
 from p2pdiloco.data import DataError, load_data
 from p2pdiloco.data.claims import ShardClaims, Stopped
 from p2pdiloco.data.feed import DataFeed
 from p2pdiloco.data.fetch import ShardCache, ShardSource
+from p2pdiloco.device import pick_device
 from p2pdiloco.evaluator import Evaluator
 from p2pdiloco.metrics import Metrics
 from p2pdiloco.model import build_model, flat_params, load_flat_, num_params
@@ -45,28 +45,6 @@ from p2pdiloco.ranks import Ranks
 from p2pdiloco.suspects import Suspects
 
 logger = logging.getLogger(__name__)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda":
-        check_cuda(device, name)
-    return device
-
-
-def check_cuda(device: torch.device, name: str) -> None:
-    """A ConfigError (one line, exit 2) for a CUDA device this machine does not have."""
-    if not torch.cuda.is_available():
-        why = ("this torch is a CPU-only build" if torch.version.cuda is None
-               else "torch sees no CUDA GPU (driver, CUDA_VISIBLE_DEVICES)")
-        raise ConfigError(f"device {name!r}: {why} (torch {torch.__version__}): install a CUDA build of torch "
-                          f"(https://pytorch.org/get-started) or pass --device cpu")
-    count = torch.cuda.device_count()
-    if device.index is not None and device.index >= count:
-        raise ConfigError(f"device {name!r}: this machine has {count} CUDA device{'s' * (count != 1)} "
-                          f"(cuda:0{f' .. cuda:{count - 1}' if count > 1 else ''}): pick one of them or --device cpu")
 
 
 def fixed_mmap_threshold(nbytes: int = 1 << 20) -> None:
@@ -145,6 +123,7 @@ class Peer(SwarmRounds):
         self.quiet = quiet or not self.leader
         self._params_changed = False  # the leader rewrote the local weights: the other ranks must copy them
         self.maddrs: list[str] = []
+        self.peer_id: Optional[str] = None  # the DHT's, once the network is up (rank 0 of a torchrun peer)
         self.last_group_size = 0  # of the last applied round; with the counters below, for `status`/`monitor`
         self.rounds_applied = self.rounds_failed = 0
         self.last_eval_loss = None
@@ -340,7 +319,7 @@ class Peer(SwarmRounds):
 
     def _data_order(self) -> torch.Generator:
         """Each peer (each rank of a torchrun peer) reads the corpus in its own order."""
-        peer_id = self.ranks.broadcast_object(getattr(self, "peer_id", None)) if self.ranks else self.peer_id
+        peer_id = self.ranks.broadcast_object(self.peer_id) if self.ranks else self.peer_id
         salt = peer_id if self.leader else f"{peer_id}/rank{self.ranks.rank}"
         return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + zlib.crc32(salt.encode()))
 

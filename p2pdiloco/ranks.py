@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from p2pdiloco.device import check_cuda
 from p2pdiloco.model import flat_params, load_flat_
 
 
@@ -41,8 +42,6 @@ class Ranks:
         """One GPU per rank (cuda:LOCAL_RANK) when there are GPUs and the config allows them."""
         if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
             return torch.device("cpu")
-        from p2pdiloco.peer import check_cuda
-
         device = torch.device("cuda", self.local_rank)
         check_cuda(device, f"{name} (rank {self.local_rank}: cuda:{self.local_rank})")
         return device

@@ -60,7 +60,7 @@ class SwarmRecords:
             found, self._found = self._found, None
             return found
 
-    def close(self, timeout: float = 3.0) -> None:
+    def close(self, timeout: float = 2.0) -> None:
         with self._lock:
             self._closed = True
             self._lock.notify()

@@ -507,10 +507,26 @@ class Bench:
         tokens_per_s = [p["tokens"] / p["wall_s"] for p in run["peers"].values()]
         flops = flops_per_token(model_cfg)
         peak = peak_flops(torch.cuda.get_device_name())
-        # where each peer's wall time went (the first GPU run: 0.68 in inner steps, the rest unexplained)
+        # where each peer's wall time went (the first GPU run: 0.68 in inner steps, the rest unexplained), and
+        # the training thread's time at each round boundary (the `boundary` records)
         split = {name: {what: p[f"{what}_s"] / p["wall_s"] for what in ("compute", "data", "outer", "eval")}
                  for name, p in run["peers"].items()}
+        # one peer alone (no rounds), compiled, fused AdamW, against the same bare loop alone
+        solo = Bench(self.out, replace(self.size, peers=1), seed=self.seed, data=self.data).swarm(
+            "gpu_solo", overrides={**cfg, "max_time": min(60.0, self.size.duration)}, preset=preset, timeout=600)
+        solo_peer = next(iter(solo["peers"].values()))
+        bare_solo = bare_loops(1, solo_peer["inner_step"], {k: v for k, v in cfg.items()
+                                                           if k not in ("max_time", "host_maddrs")}, preset)[0]
+        # after warm-up (compilation): the peer's later log intervals, the bare loop past its first steps
+        inner = [r["tokens_per_s"] for path in (self.out / "runs" / f"gpu_solo-s{self.seed}").glob("*/metrics.jsonl")
+                 for r in read_metrics(path) if r["event"] == "inner"]
+        solo_tps = statistics.median(inner[len(inner) // 2:]) if inner else solo_peer["tokens"] / solo_peer["wall_s"]
+        tokens_per_step = solo_peer["tokens"] / max(1, solo_peer["inner_step"])
+        bare_tps = tokens_per_step * bare_solo["warm_steps"] / bare_solo["warm_s"]
         return {"time_split": split, "swarm": run, "bare": bare, "device": torch.cuda.get_device_name(),
+                "solo": {"inner_tokens_per_s": solo_tps, "bare_tokens_per_s": bare_tps,
+                         "mfu": solo_tps * flops / peak if peak else None,
+                         "bare_mfu": bare_tps * flops / peak if peak else None},
                 "inner_tokens_per_s": tokens_per_s, "flops_per_token": flops, "peak_flops": peak,
                 "mfu": [t * flops / peak for t in tokens_per_s] if peak else None,
                 "peer_step_ms": 1e3 * peer_step, "bare_step_ms": 1e3 * bare_step,
@@ -838,14 +854,15 @@ def bare_loops(count: int, steps: int, overrides: dict, preset: str = PRESET) ->
 
 
 def bare_main(steps: int, seed: int, overrides: dict, preset: str = PRESET) -> None:
-    """The inner step of Peer._train, alone: same model, batch, AdamW, schedule, clipping."""
+    """The inner step of Peer._train, alone: same model, batch, AdamW (fused on CUDA), schedule, clipping,
+    torch.compile setting, pinned batches, and no device sync per step (one at the end)."""
     import torch
 
     from p2pdiloco import diloco
     from p2pdiloco.config import Config
     from p2pdiloco.data import load_data
     from p2pdiloco.model import GPT
-    from p2pdiloco.peer import pick_device
+    from p2pdiloco.device import pick_device
 
     cfg = Config.from_sources(preset, {k: v for k, v in overrides.items() if k != "max_inner_steps"})
     torch.set_num_threads(cfg.threads or torch.get_num_threads())
@@ -853,26 +870,37 @@ def bare_main(steps: int, seed: int, overrides: dict, preset: str = PRESET) -> N
     data = load_data(cfg, progress=lambda m: None)
     torch.manual_seed(cfg.seed)
     model = GPT.from_config(cfg).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    cuda = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95),
+                            fused=cuda)
+    step_model = torch.compile(model) if cfg.compile == "on" or (cfg.compile == "auto" and cuda) else model
     gen = torch.Generator().manual_seed(seed)
     model.train()
     t0 = time.monotonic()
+    warmup, t_warm = min(10, steps // 4), None  # compilation and allocator warm-up: timed apart
     for step in range(steps):
+        if step == warmup:
+            if cuda:
+                torch.cuda.synchronize(device)
+            t_warm = time.monotonic()
         lr = diloco.inner_lr_at(step, inner_lr=cfg.inner_lr, warmup_steps=cfg.warmup_steps,
                                 total_steps=cfg.total_steps, min_lr_ratio=cfg.min_lr_ratio)
         for group in opt.param_groups:
             group["lr"] = lr
-        x, y = (t.to(device, non_blocking=True) for t in data.train_batch(cfg.batch_size, gen))
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = model(x, y)
+        batch = data.train_batch(cfg.batch_size, gen)
+        x, y = (t.pin_memory().to(device, non_blocking=True) if cuda else t for t in batch)
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = step_model(x, y)
         loss.backward()
         if cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # as the peer does after every step
-    print(json.dumps({"steps": steps, "wall_s": time.monotonic() - t0, "loss": float(loss)}))
+    if cuda:
+        torch.cuda.synchronize(device)
+    end = time.monotonic()
+    print(json.dumps({"steps": steps, "wall_s": end - t0, "warm_steps": steps - warmup,
+                      "warm_s": end - (t_warm or t0), "loss": float(loss)}))
 
 
 # ------------------------------------------------------------------------------ main

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The GPU check, one prepared script for a CUDA machine: 2 peers of the small-gpu preset (~88M
-# parameters, bf16 autocast, anchor and outer state on CPU) train on loopback for DURATION seconds
-# (default 180), then 2 bare torch loops run as many steps. Prints inner tokens/s per peer, MFU
-# and the overhead of `p2pdiloco join` over the bare loop; writes results.json/.md into OUT.
+# The GPU check, one prepared script for a CUDA machine (<= 8 minutes): 2 peers of the small-gpu
+# preset (~88M parameters, bf16 autocast, compiled, fused AdamW) train on loopback for DURATION
+# seconds (default 150), then 2 bare torch loops run as many steps; then one peer alone for 60 s
+# against one bare loop. Prints inner tokens/s per peer, each peer's wall-time split (inner steps,
+# data, round boundaries), MFU and the overhead of `p2pdiloco join` over the bare loop; writes
+# results.json/.md into OUT, and every peer's metrics.jsonl under OUT/runs/ (the `boundary` records:
+# the training thread's time at each round boundary).
 #
-#   bash scripts/gpu_check.sh                      # OUT=runs/gpu-check DURATION=180
+#   bash scripts/gpu_check.sh                      # OUT=runs/gpu-check DURATION=150
 #   PYTHON=python3 DURATION=120 bash scripts/gpu_check.sh
 #
 # PYTHON must have a CUDA torch and hivemind==1.1.12 (carry its wheel to an offline machine).
@@ -32,4 +35,4 @@ if not torch.cuda.is_available():
 print(f"gpu_check: {torch.cuda.get_device_name()}, torch {torch.__version__}, hivemind {hivemind.__version__}")
 PYCHECK
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-exec "$PY" scripts/bench.py gpu --out "${OUT:-runs/gpu-check}" --duration "${DURATION:-180}" --data "${DATA:-}"
+exec "$PY" scripts/bench.py gpu --out "${OUT:-runs/gpu-check}" --duration "${DURATION:-150}" --data "${DATA:-}"

@@ -58,6 +58,12 @@ def reap_p2pd():
             pass
 
 
+def evaluated(outer: list[dict]) -> list[dict]:
+    """The `outer` records whose anchor was evaluated: the evaluation runs in a background thread, so a
+    live peer's newest outer steps may not have their loss yet (and some steps are never evaluated)."""
+    return [r for r in outer if r.get("eval_loss") is not None]
+
+
 def make_corpus(path: Path, size: int = 300_000, seed: int = 0) -> Path:
     """Sentences from a small grammar: learnable in a minute, so a falling loss is visible."""
     rng = random.Random(seed)

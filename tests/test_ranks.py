@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from p2pdiloco.localswarm import LocalSwarm
-from tests.conftest import TINY
+from tests.conftest import TINY, evaluated
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -34,8 +34,8 @@ def test_torchrun_peer_in_a_two_peer_swarm(tmp_path, corpus):
         assert final["rank_spread"] == 0.0, final
         assert final["eval_loss"] < 4.0, final
         # the torchrun peer and the plain one share the anchor: same eval loss at the same outer step
-        a_eval = {r["outer_step"]: r["eval_loss"] for r in swarm.events("a", "outer")}
-        shared = [(a_eval[r["outer_step"]], r["eval_loss"]) for r in outer if r["outer_step"] in a_eval]
+        a_eval = {r["outer_step"]: r["eval_loss"] for r in evaluated(swarm.events("a", "outer"))}
+        shared = [(a_eval[r["outer_step"]], r["eval_loss"]) for r in evaluated(outer) if r["outer_step"] in a_eval]
         assert shared and all(abs(x - y) < 0.02 for x, y in shared), shared
         # only rank 0 joined the DHT: b's log holds one peer id
         assert len({r["peer"] for r in swarm.events("b")}) == 1

@@ -41,7 +41,7 @@ class DataFeed:
                 raise item
             return item
 
-    def close(self, timeout: float = 2.0) -> None:
+    def close(self, timeout: float = 1.0) -> None:
         self._closed.set()
         while True:  # unblock a put
             try:
