@@ -124,6 +124,8 @@ class PendingRound:
     # the training thread's cost of this round (boundary.py): seconds and page faults
     boundary_s: float = 0.0
     faults: int = 0
+    start_s: float = 0.0    # of which at the round's start (the snapshot)
+    preview_s: float = 0.0  # and applying the eager preview's correction
 
 
 def thread_faults() -> int:
@@ -387,7 +389,9 @@ class SwarmRounds:
                 self._params_changed = True
             applied = self._land_round(pending, outcome)
         self.metrics.log("boundary", outer_step=self.outer_step, applied=applied, boundary_s=pending.boundary_s,
-                         faults=pending.faults, round_s=outcome.round_s)
+                         start_s=pending.start_s, preview_s=pending.preview_s,
+                         finish_s=pending.boundary_s - pending.start_s - pending.preview_s, faults=pending.faults,
+                         round_s=outcome.round_s)
         return applied
 
     @contextlib.contextmanager

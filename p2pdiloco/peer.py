@@ -571,9 +571,11 @@ class Peer(SwarmRounds):
 
         # --- a correction staged by the round's thread: the eager preview ------------------
         if self.pending is not None and self.boundary.ready() and not self.pending.future.done():
+            before = self.pending.boundary_s
             with self._boundary_cost(self.pending):
                 if self.boundary.apply_ready() is not None:
                     self._params_changed = True
+            self.pending.preview_s += self.pending.boundary_s - before
 
         # --- outer step: a round came back -----------------------------------------
         applied = False
@@ -592,7 +594,8 @@ class Peer(SwarmRounds):
                 with self._boundary_cost(cost):
                     self.pending = self._start_round()
                 if self.pending is not None:
-                    self.pending.boundary_s, self.pending.faults = cost.boundary_s, cost.faults
+                    self.pending.boundary_s = self.pending.start_s = cost.boundary_s
+                    self.pending.faults = cost.faults
                 if cfg.sync_rounds:
                     applied = self._wait_round_sync(self.t_start) or applied
 

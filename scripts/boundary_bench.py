@@ -73,6 +73,9 @@ def peer_summary(events: list, faults: int | None) -> dict:
             "boundary_ms_p95": 1e3 * quantile(seconds, 0.95) if seconds else None,
             "boundary_ms_max": 1e3 * max(seconds) if seconds else None,
             "boundary_faults_median": statistics.median(r["faults"] for r in bounds) if bounds else None,
+            # the parts: the snapshot, the eager preview's correction, the landing (its correction and bookkeeping)
+            **{f"{part}_ms_median": 1e3 * statistics.median(r[f"{part}_s"] for r in bounds) if bounds else None
+               for part in ("start", "preview", "finish")},
             "off_step_s_per_round": off_step / applied if applied else None,
             "thread_faults_per_round": faults / applied if faults is not None and applied else None,
             "data_wait_pct": 100 * final.get("data_s", 0.0) / final["wall_s"],
@@ -84,7 +87,12 @@ def peer_summary(events: list, faults: int | None) -> dict:
 def run(size: str, peers: int, duration: float, workdir: Path, *, tree: str = "", data: str = "") -> dict:
     preset, flags = SIZES[size]
     flags = [*flags, "--max-time", str(duration), *(["--data", data] if data else [])]
-    env = {"PYTHONPATH": tree} if tree else None  # another checkout's p2pdiloco (the code before a change)
+    env = None
+    if tree:  # another checkout's p2pdiloco (the code before a change), with its own preset; `python -m`
+        # puts the working directory first on the module path, so the peers run from there
+        preset = str(Path(tree) / Path(preset).relative_to(ROOT))
+        env = {"PYTHONPATH": tree}
+        os.chdir(tree)
     names = [chr(ord("a") + i) for i in range(peers)]
     faults: dict[str, int | None] = {}
     with LocalSwarm(workdir, config=preset, extra_args=flags, env=env) as swarm:
@@ -128,6 +136,7 @@ def main() -> None:
     parser.add_argument("--data", default="", help="a corpus or prepared token directory (default: the preset's)")
     parser.add_argument("--out", default="", help="write the result here as JSON")
     args = parser.parse_args()
+    out = Path(args.out).resolve() if args.out else None  # before run() moves to another --tree
     with tempfile.TemporaryDirectory(prefix="boundary-") as tmp:
         result = run(args.size, args.peers, args.duration, Path(tmp), tree=args.tree, data=args.data)
     print(f"{'peer':4s} {'rounds':>6s} {'bound. ms med':>13s} {'p95':>7s} {'faults/bd':>9s} {'off-step s/round':>16s} "
@@ -140,9 +149,9 @@ def main() -> None:
         print(f"{name:4s} {p['rounds_applied']:6d} " + " ".join(f"{c:>{w}s}" for c, w in zip(cells, widths)))
     print(f"all: boundary median {fmt(result['boundary_ms_median'])} ms, p95 {fmt(result['boundary_ms_p95'])} ms; "
           f"met: {result.get('met')}")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "per_peer"}))
     sys.exit(0 if all(code == 0 for code in result["exit_codes"].values()) else 1)
 
