@@ -18,6 +18,12 @@ Per round (see diloco.py for the math, averaging.py for the round itself):
     schedule (`schedule`): once a group has formed, the members enter the next round at the due
             time they all derive from the group's announcements (schedule.py), not by counting steps.
 
+Who does what: the training thread takes the snapshot (_start_round) and applies the weight
+corrections at step boundaries (_finish_round, boundary.py); the round's thread computes the
+pseudo-gradient and, once the round is over, everything the outcome means (_settle_round: the
+merge, the outer step, the correction). Anchor, momentum and outer_step change only in the round's
+thread (or in a resync, between rounds), under the state lock.
+
 Peer mixes this in; it reads and writes the Peer's state (anchor, momentum, outer_step, model).
 """
 
@@ -126,6 +132,13 @@ class PendingRound:
     faults: int = 0
     start_s: float = 0.0    # of which at the round's start (the snapshot)
     preview_s: float = 0.0  # and applying the eager preview's correction
+
+    def add_cost(self, part: str, cost: dict) -> None:
+        """Count a part of the round's boundary ("start", "preview", "finish") that _on_boundary measured."""
+        self.boundary_s += cost["s"]
+        self.faults += cost["faults"]
+        if part != "finish":
+            setattr(self, f"{part}_s", getattr(self, f"{part}_s") + cost["s"])
 
 
 def thread_faults() -> int:
@@ -383,11 +396,12 @@ class SwarmRounds:
         """Land a round that is over, in the training thread: apply the correction its thread staged (one
         fused add), then the bookkeeping. True when an outer step was applied. Logs the training thread's
         cost of the round (a `boundary` record)."""
-        with self._boundary_cost(pending):
+        with self._on_boundary() as cost:
             outcome: RoundOutcome = pending.future.result()
             if self.boundary.apply_ready() is not None:  # the other ranks of a torchrun peer copy the weights
                 self._params_changed = True
             applied = self._land_round(pending, outcome)
+        pending.add_cost("finish", cost)
         self.metrics.log("boundary", outer_step=self.outer_step, applied=applied, boundary_s=pending.boundary_s,
                          start_s=pending.start_s, preview_s=pending.preview_s,
                          finish_s=pending.boundary_s - pending.start_s - pending.preview_s, faults=pending.faults,
@@ -395,18 +409,16 @@ class SwarmRounds:
         return applied
 
     @contextlib.contextmanager
-    def _boundary_cost(self, pending: Optional[PendingRound]):
-        """Count the seconds and page faults of the training thread inside the block into the round's
-        cost (and into outer_s, the run's total)."""
+    def _on_boundary(self):
+        """The training thread's seconds and page faults inside the block, in the dict it yields (set at
+        the block's end; PendingRound.add_cost counts them for a round), added to outer_s (the run's total)."""
+        cost = {"s": 0.0, "faults": 0}
         t0, faults0 = time.perf_counter(), thread_faults()
         try:
-            yield
+            yield cost
         finally:
-            seconds = time.perf_counter() - t0
-            self.outer_s += seconds
-            if pending is not None:
-                pending.boundary_s += seconds
-                pending.faults += thread_faults() - faults0
+            cost["s"], cost["faults"] = time.perf_counter() - t0, thread_faults() - faults0
+            self.outer_s += cost["s"]
 
     def _land_round(self, pending: PendingRound, outcome: RoundOutcome) -> bool:
         tokens, weight, age = pending.tokens, pending.weight, pending.age

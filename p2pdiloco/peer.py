@@ -571,11 +571,10 @@ class Peer(SwarmRounds):
 
         # --- a correction staged by the round's thread: the eager preview ------------------
         if self.pending is not None and self.boundary.ready() and not self.pending.future.done():
-            before = self.pending.boundary_s
-            with self._boundary_cost(self.pending):
+            with self._on_boundary() as cost:
                 if self.boundary.apply_ready() is not None:
                     self._params_changed = True
-            self.pending.preview_s += self.pending.boundary_s - before
+            self.pending.add_cost("preview", cost)
 
         # --- outer step: a round came back -----------------------------------------
         applied = False
@@ -590,12 +589,10 @@ class Peer(SwarmRounds):
             if enter is None:  # no schedule (yet): every inner_steps steps
                 enter = self.steps_since_round >= self.due_steps - self.lead_steps
             if enter:
-                cost = PendingRound(None, None, False, 0, 0.0, 0)  # the cost of the start, until the round exists
-                with self._boundary_cost(cost):
+                with self._on_boundary() as cost:
                     self.pending = self._start_round()
                 if self.pending is not None:
-                    self.pending.boundary_s = self.pending.start_s = cost.boundary_s
-                    self.pending.faults = cost.faults
+                    self.pending.add_cost("start", cost)
                 if cfg.sync_rounds:
                     applied = self._wait_round_sync(self.t_start) or applied
 
