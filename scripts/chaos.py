@@ -402,7 +402,8 @@ def analyze(record: RunRecord) -> dict:
                 resyncs += 1
             elif ev == "join":
                 joins += 1
-            if ev in ("outer", "final") and "eval_loss" in r:
+            # the anchor's evaluations (in the background) and the final one; null means not finite
+            if ev in ("eval", "final") and "eval_loss" in r:
                 last_eval[name] = r["eval_loss"]
 
     outer_all.sort(key=lambda r: r.get("time") or 0.0)

@@ -40,7 +40,7 @@ def summarize(swarm: LocalSwarm, names: list[str]) -> dict:
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in inner[1:]) if len(inner) > 1 else None,
             "first_loss": inner[0]["loss"] if inner else None,
             "last_loss": inner[-1]["loss"] if inner else None,
-            "eval_curve": [(r["outer_step"], round(r["eval_loss"], 3)) for r in outer],
+            "eval_curve": [(r["outer_step"], round(r["eval_loss"], 3)) for r in outer if r["eval_loss"] is not None],
             "group_sizes": sorted({r["group_size"] for r in outer}),
         }
     return summary
