@@ -154,7 +154,29 @@ class LocalSwarm:
             if condition():
                 return
             time.sleep(0.25)
-        raise TimeoutError(f"{what} not reached within {timeout}s")
+        raise TimeoutError(f"{what} not reached within {timeout}s; the peers:\n{self.digest()}")
+
+    def digest(self) -> str:
+        """A few lines per peer of what it was doing (for a test's timeout): alive or its exit code,
+        outer steps and when the last was, its bans, the last reasons its rounds failed, stderr's end."""
+        lines, now = [], time.time()
+        for name, peer in self.peers.items():
+            try:
+                records = self.events(name)
+            except Exception as e:  # a line being written: the digest must not hide the timeout
+                records, lines = [], [*lines, f"{name}: metrics unreadable ({e})"]
+            outer = [r for r in records if r["event"] == "outer"]
+            failed = [r.get("reason", "")[:90] for r in records if r["event"] == "round_failed"][-3:]
+            banned = [f"{r['sender'][-6:]} ({r['reason']})" for r in records if r["event"] == "banned"]
+            state = "alive" if peer.proc.poll() is None else f"exited {peer.proc.returncode}"
+            last = (f", last {now - outer[-1]['time']:.0f}s ago (group of {outer[-1].get('group_size')})"
+                    if outer else "")
+            peer_id = next((r["peer"][-6:] for r in records if r.get("peer")), "?")
+            lines.append(f"{name} [{peer_id}] {state}: {len(outer)} outer steps{last}; banned {banned or 'none'}; "
+                         f"last failures {failed or 'none'}")
+            tail = self.stderr(name, 400).strip().splitlines()[-2:]
+            lines += [f"    {line[:200]}" for line in tail]
+        return "\n".join(lines)
 
     # ------------------------------------------------------------------------- stop
 
