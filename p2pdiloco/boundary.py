@@ -4,20 +4,23 @@ later, one fused update of them; the arithmetic in between runs in the round's o
     >>> b = Boundary(list(model.parameters()), numel=n)
     >>> b.snapshot()                     # training thread, at the step a round starts
     >>> b.pseudo_grad_(anchor)           # round thread: delta = anchor - snapshot, in place
-    >>> b.stage_preview(momentum, ...)   # round thread, eager: corr = preview - snapshot
-    >>> b.apply_ready()                  # training thread, every step: W += corr when one is ready
-    >>> b.stage_outer(anchor, step_fn)   # round thread, when the group's average is in: corr = A' - base
+    >>> b.stage_preview(momentum, ...)   # round thread, eager: W += preview - snapshot, staged
+    >>> b.apply_ready()                  # training thread, every step: the staged correction, if any
+    >>> b.stage_outer(anchor, step_fn)   # round thread, when the group's average is in: W += A' - base
 
 Every weight correction has the form W += new_base - old_base, where the base is what the local
 steps started from (the snapshot, the eager preview, or the new anchor): the steps taken since the
-snapshot are kept exactly, however many there were. Two host buffers of the model's size, allocated
-once (pinned on CUDA): `delta` (the snapshot, turned into the pseudo-gradient in place) and `corr`
-(the correction waiting for the next step boundary). On CUDA the snapshot is a device-to-device copy
-into a third buffer on the GPU, moved to `delta` by the round's thread on a side stream.
+snapshot are kept exactly, however many there were. One host buffer of the model's size, allocated
+once: `delta` (the snapshot, turned into the pseudo-gradient in place, and at the round's end into
+the correction A' - base). The preview's correction needs no buffer of its own on the CPU: the
+training thread adds a * momentum + (1 + b) * delta (diloco.preview_coefficients), two fused adds,
+and undoes it the same way. On CUDA `delta` is pinned, the snapshot is a device-to-device copy into
+a buffer on the GPU moved to `delta` by the round's thread on a side stream, and a second pinned
+buffer `corr` holds the preview's correction (the momentum lives in pageable shared memory, which
+the training stream should not copy from).
 
-The preview's correction needs no anchor (diloco.preview_coefficients): preview - snapshot is
-a * momentum + (1 + b) * delta. A round that ends before the training thread took the preview's
-correction retracts it, and its outcome is computed from the snapshot instead.
+A round that ends before the training thread took the preview's correction retracts it, and its
+outcome is computed from the snapshot instead.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 
 from p2pdiloco import diloco
 
-# the states of `corr`
+# the states of the staged correction
 FREE, PREVIEW, FINAL = "free", "preview", "final"
 
 
@@ -51,16 +54,27 @@ class Boundary:
         self.device = params[0].device
         cuda = self.device.type == "cuda"
         self.delta = torch.empty(numel, pin_memory=cuda)
-        self.corr = torch.empty(numel, pin_memory=cuda)
+        self.corr = torch.empty(numel, pin_memory=True) if cuda else None
         self.staging = torch.empty(numel, device=self.device) if cuda else None
-        self._delta_views = _views(self.staging if cuda else self.delta, params)
-        self._corr_views = _views(self.corr, params)
+        self._snapshot_views = _views(self.staging if cuda else self.delta, params)
+        self._views = {}  # data_ptr -> views shaped like the parameters, of delta, corr and the momentum
         self._copied: Optional[torch.cuda.Event] = None
         self._side = torch.cuda.Stream(self.device) if cuda else None
-        self._foreach = all(p.dtype == torch.float32 for p in params)
+        self._foreach = not cuda and all(p.dtype == torch.float32 for p in params)
         self._lock = threading.Lock()
         self._state = FREE
+        self._terms: list[tuple[list, float]] = []  # the staged correction: sum of alpha x flat vector
         self.on_preview = False  # the local weights train from the eager preview (else from the snapshot)
+
+    def _stage(self, state: str, *terms: tuple[torch.Tensor, float]) -> None:
+        """A correction for the next step boundary: W += sum of alpha x flat (each flat of the model's size)."""
+        views = []
+        for flat, alpha in terms:
+            if flat.data_ptr() not in self._views:
+                self._views[flat.data_ptr()] = _views(flat, self.params)
+            views.append((self._views[flat.data_ptr()], alpha))
+        with self._lock:
+            self._terms, self._state = views, state
 
     # ------------------------------------------------------------------ training thread
 
@@ -68,7 +82,7 @@ class Boundary:
     def snapshot(self) -> None:
         """Copy the weights (the base of the next pseudo-gradient). On CUDA a device-to-device copy,
         ordered on the training stream: the next optimizer step cannot overtake it."""
-        for view, p in zip(self._delta_views, self.params):
+        for view, p in zip(self._snapshot_views, self.params):
             view.copy_(p, non_blocking=True)
         if self._side is not None:
             self._copied = torch.cuda.Event()
@@ -77,18 +91,20 @@ class Boundary:
 
     @torch.no_grad()
     def apply_ready(self) -> Optional[str]:
-        """W += corr if a correction is ready: "preview" or "final" (what was applied), else None."""
+        """The staged correction, if one is ready: "preview" or "final" (what was applied), else None."""
         if self._state == FREE:  # read without the lock: a correction staged meanwhile waits one step
             return None
         with self._lock:
             state, self._state = self._state, FREE
             if state == FREE:
                 return None
-            if self._foreach and self._side is None:
-                torch._foreach_add_(self.params, self._corr_views)
-            else:  # from pinned host memory, in the training stream's order
-                for p, c in zip(self.params, self._corr_views):
-                    p.add_(c.to(p.device, p.dtype, non_blocking=True))
+            for views, alpha in self._terms:
+                if self._foreach:
+                    torch._foreach_add_(self.params, views, alpha=alpha)
+                else:  # on CUDA from pinned host memory, in the training stream's order
+                    for p, c in zip(self.params, views):
+                        p.add_(c.to(p.device, p.dtype, non_blocking=True), alpha=alpha)
+            self._terms = []
             self.on_preview = state == PREVIEW
             return state
 
@@ -113,41 +129,47 @@ class Boundary:
 
     @torch.no_grad()
     def stage_preview(self, momentum: torch.Tensor, cfg, *, own_share: float) -> None:
-        """corr = preview - snapshot = a * momentum + (1 + b) * delta: the local weights move onto the
-        eager preview at the next step boundary."""
+        """preview - snapshot = a * momentum + (1 + b) * delta: the local weights move onto the eager
+        preview at the next step boundary. Neither momentum nor delta changes before the round's end,
+        which takes the correction back (take_base) if the training thread has not applied it."""
         a, b = self._coefficients(cfg, own_share)
-        torch.mul(momentum, a, out=self.corr).add_(self.delta, alpha=1 + b)
-        with self._lock:
-            self._state = PREVIEW
+        if self.corr is None:
+            self._stage(PREVIEW, (momentum, a), (self.delta, 1 + b))
+        else:
+            torch.mul(momentum, a, out=self.corr).add_(self.delta, alpha=1 + b)
+            self._stage(PREVIEW, (self.corr, 1.0))
 
     def take_base(self) -> bool:
         """At the round's end: retract a preview correction not applied yet; True when the local weights
         train from the preview (the base of the outcome's correction), False for the snapshot."""
         with self._lock:
             if self._state == PREVIEW:
-                self._state = FREE
+                self._state, self._terms = FREE, []
             return self.on_preview
 
     @torch.no_grad()
     def stage_undo(self, momentum: torch.Tensor, cfg, *, own_share: float) -> None:
-        """A failed round after the preview was applied: corr = snapshot - preview (nothing of our own
-        work is lost; the next pseudo-gradient carries it)."""
+        """A failed round after the preview was applied: snapshot - preview (nothing of our own work is
+        lost; the next pseudo-gradient carries it). Momentum and delta stay as they are until the
+        training thread applied it: the next round starts after."""
         a, b = self._coefficients(cfg, own_share)
-        torch.mul(momentum, -a, out=self.corr).add_(self.delta, alpha=-(1 + b))
-        with self._lock:
-            self._state = FINAL
+        if self.corr is None:
+            self._stage(FINAL, (momentum, -a), (self.delta, -(1 + b)))
+        else:
+            torch.mul(momentum, -a, out=self.corr).add_(self.delta, alpha=-(1 + b))
+            self._stage(FINAL, (self.corr, 1.0))
 
     @torch.no_grad()
     def stage_outer(self, anchor: torch.Tensor, momentum: torch.Tensor, cfg, *, preview: bool, own_share: float,
                     move: Callable[[], None]) -> None:
-        """corr = A' - base, where move() turns anchor (and momentum) into A' in place and base is the
-        preview or the snapshot of the old anchor and momentum. Call under the state lock."""
+        """A' - base, in delta (the pseudo-gradient is no longer needed), where move() turns anchor (and
+        momentum) into A' in place and base is the preview or the snapshot of the old anchor and
+        momentum. Call under the state lock."""
         if preview:  # -base = -(anchor + a * momentum + b * delta)
             a, b = self._coefficients(cfg, own_share)
-            torch.mul(momentum, -a, out=self.corr).sub_(anchor).add_(self.delta, alpha=-b)
+            self.delta.mul_(-b).sub_(momentum, alpha=a).sub_(anchor)
         else:  # -base = delta - anchor
-            torch.sub(self.delta, anchor, out=self.corr)
+            self.delta.sub_(anchor)
         move()
-        self.corr.add_(anchor)
-        with self._lock:
-            self._state = FINAL
+        self.delta.add_(anchor)
+        self._stage(FINAL, (self.delta, 1.0))

@@ -49,6 +49,7 @@ def new_anchor(anchor, momentum, average):
 def test_an_applied_round_leaves_the_new_anchor_plus_every_step_since_the_snapshot(eager, preview_taken):
     params, anchor, momentum, g = make()
     b = Boundary(params, numel=anchor.numel())
+    assert b.corr is None and b.staging is None  # on the CPU, one buffer of the model's size: delta
     b.snapshot()
     snapshot = flat(params)
     delta = b.pseudo_grad_(anchor)
