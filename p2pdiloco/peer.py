@@ -651,8 +651,10 @@ class Peer(SwarmRounds):
     def _sync_ranks(self, stop: bool) -> bool:
         """Once per inner step on every rank: the leader's stop decision, schedule position and,
         when a round or a resync moved its weights, the weights themselves."""
-        stop, changed, self.outer_step, self.steps_since_round = self.ranks.control(
+        stop, changed, outer_step, steps_since_round = self.ranks.control(
             [int(stop), int(self._params_changed), self.outer_step, self.steps_since_round])
+        if not self.leader:  # the leader's round thread may have moved its outer step meanwhile: keep it
+            self.outer_step, self.steps_since_round = outer_step, steps_since_round
         if changed:
             self.ranks.broadcast_params(self.model)
             self._params_changed = False

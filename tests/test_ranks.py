@@ -27,6 +27,10 @@ def test_torchrun_peer_in_a_two_peer_swarm(tmp_path, corpus):
         outer = swarm.events("b", "outer")
         assert len(outer) >= 2, swarm.stderr("b")
         assert all(r["group_size"] == 2 for r in outer), outer
+        # every applied round moves the outer step: the ranks' per-step sync once wrote the leader's old
+        # value back over the one its round's thread had just set (outer steps 1, 2, 2, 4, 4 in CI)
+        steps = [r["outer_step"] for r in outer]
+        assert steps == sorted(set(steps)), steps
         final = swarm.events("b", "final")[0]
         # one peer, two ranks: tokens count both ranks' batches (16 x 64 each per step)
         assert final["ranks"] == 2 and final["tokens"] == 240 * 2 * 16 * 64, final
