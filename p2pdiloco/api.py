@@ -112,8 +112,8 @@ class DiLoCo:
 
     def load_anchor_(self, module: Optional[torch.nn.Module] = None) -> None:
         """Copy the anchor (the swarm's model, as of the last outer step) into module (default: ours)."""
-        with self.peer.state_lock:
-            load_flat_(module or self.model, self.peer.anchor)
+        with self.peer.outer.lock:
+            load_flat_(module or self.model, self.peer.outer.anchor)
 
     def close(self, *, finish: bool = True) -> None:
         """Stop; with finish (the default) first let the last round land and write the final record."""

@@ -21,10 +21,14 @@ Per round (see diloco.py for the math, averaging.py for the round itself):
 Who does what: the training thread takes the snapshot (_start_round) and applies the weight
 corrections at step boundaries (_finish_round, boundary.py); the round's thread computes the
 pseudo-gradient and, once the round is over, everything the outcome means (_settle_round: the
-merge, the outer step, the correction). Anchor, momentum and outer_step change only in the round's
-thread (or in a resync, between rounds), under the state lock.
+merge, the outer step, the correction). Anchor, momentum and outer step (OuterState) change only in
+the round's thread (or in a resync, between rounds), under the state's lock.
 
-Peer mixes this in; it reads and writes the Peer's state (anchor, momentum, outer_step, model).
+    >>> outer = OuterState(state.SharedState(numel))
+    >>> rounds = Rounds(cfg, outer=outer, model=model, boundary=Boundary(params, numel=numel), ...)
+    >>> rounds.begin(inner_step=0)
+    >>> applied = rounds.at_step_boundary(inner_step, tokens)   # after every inner step
+    >>> rounds.finish(wait=True)                                # after the loop: land the last round
 """
 
 from __future__ import annotations
@@ -32,16 +36,19 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import math
 import os
 import resource
+import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from p2pdiloco import diloco, grid, schedule, state, swarm
 from p2pdiloco.averaging import RoundOutcome, contribution_weight
+from p2pdiloco.boundary import Boundary
 from p2pdiloco.model import flat_params, load_flat_
 
 logger = logging.getLogger(__name__)
@@ -158,44 +165,191 @@ def _param_slices(model: torch.nn.Module, flat: torch.Tensor):
         offset += param.numel()
 
 
-class SwarmRounds:
-    """The round half of Peer: _start_round / _finish_round and what they need."""
+class OuterState:
+    """The swarm's model as this peer holds it: the anchor, its outer momentum and the outer step.
+    Anchor and momentum live in shared memory (state.SharedState), which the averager process serves
+    to joiners; all three change only inside `updating()` (the round's thread, a resync, a resume),
+    which holds `lock` and publishes the new version, so that a download discards what it copied
+    meanwhile. Readers that need them consistent (the evaluator, the checkpoint writer) take `lock`."""
 
-    clock: Optional[schedule.Clock] = None  # rounds on a schedule (the Peer sets it when it starts training)
-    grid_coords: Optional[list] = None  # our cell of the grid (grid.py), once a group re-indexed us
-    group_bits: str = ""  # the averager's group key bits (hivemind's bucket): our line of the grid
-    _attack_prev: Optional[torch.Tensor] = None  # SENDER_ATTACK: the last group average this peer received
+    def __init__(self, shared: state.SharedState):
+        self.shared = shared
+        self.anchor, self.momentum = shared.anchor, shared.momentum  # changed in place only
+        self.step = 0
+        self.lock = threading.Lock()
+        self.digest_idx = diloco.digest_indices(shared.numel)
 
-    def _install(self, loaded: state.OuterState, *, keep_local: bool, tokens_kept: int = 0) -> None:
+    @contextlib.contextmanager
+    def updating(self):
+        with self.lock, self.shared.writing():
+            yield
+            self.shared.publish(self.step, self.digest_idx)
+
+    def load(self, anchor: torch.Tensor, momentum: torch.Tensor, step: int) -> None:
+        """Take another state (a download, a checkpoint), copied in place."""
+        with self.updating():
+            self.anchor.copy_(anchor.reshape(-1))
+            self.momentum.copy_(momentum.reshape(-1))
+            self.step = int(step)
+
+    def digest(self) -> list[float]:
+        """A few anchor values at fixed positions: members compare them to tell equal anchors."""
+        return diloco.anchor_digest(self.anchor, self.digest_idx)
+
+
+class Rounds:
+    """The round driver a peer owns. The training thread calls `at_step_boundary` after every inner
+    step; the driver hands a pseudo-gradient to a background round when one is due, applies the
+    corrections the round's thread staged, and lands a round that came back. It keeps what that
+    needs of the swarm (its size and outer step, the schedule's clock, our cell of the grid) and the
+    counts behind the next contribution; the parts it drives are the peer's, passed in: the outer
+    state, the boundary's buffers, the averager and its round runner, the records, the evaluator."""
+
+    def __init__(self, cfg, *, outer: OuterState, model: Optional[torch.nn.Module], boundary: Boundary, numel: int,
+                 metrics, suspects, averager=None, runner=None, dht=None, records=None, evaluator=None,
+                 peer_id: Optional[str] = None, merging: bool = False, stop_event: Optional[threading.Event] = None,
+                 save_checkpoint: Callable[[], None] = lambda: None, say: Callable[[str], None] = lambda msg: None,
+                 out_of_time: Callable[[], bool] = lambda: False):
+        """say: prints a line for the user; out_of_time: the run's budget is spent (synchronous rounds
+        stop waiting); save_checkpoint: every checkpoint_every outer steps."""
+        self.cfg, self.outer, self.model, self.boundary, self.numel = cfg, outer, model, boundary, numel
+        self.metrics, self.suspects, self.averager, self.runner, self.dht = metrics, suspects, averager, runner, dht
+        self.records, self.evaluator, self.peer_id, self.merging = records, evaluator, peer_id, merging
+        self.stop_event = stop_event or threading.Event()
+        self.save_checkpoint, self.say, self.out_of_time = save_checkpoint, say, out_of_time
+        self.pending: Optional[PendingRound] = None
+        self.clock: Optional[schedule.Clock] = None  # rounds on a schedule (begin)
+        self.grid_coords: Optional[list] = None  # our cell of the grid (grid.py), once a group re-indexed us
+        self.group_bits = ""  # the averager's group key bits (hivemind's bucket): our line of the grid
+        self._attack_prev: Optional[torch.Tensor] = None  # SENDER_ATTACK: the last group average this peer received
+        self.inner_step = 0
+        self.steps_since_round = 0
+        self.tokens_since_anchor = 0  # tokens behind the current pseudo-gradient
+        self.swarm_outer_step = outer.step
+        self.swarm_size = 1  # live peers, by their progress records
+        self.due_steps = cfg.inner_steps  # inner steps per contribution (dynamic_inner_steps scales them)
+        self.lead_steps, self.lead_s, self.last_wait_s = 0, 0.0, None  # matchmaking_lead
+        # eager outer updates need training while a round runs (not synchronous DiLoCo)
+        self.eager = cfg.eager_outer and not cfg.sync_rounds and cfg.outer_apply == "group"
+        self.kept: Optional[torch.Tensor] = None  # local progress to place on the next anchor (a resync)
+        self.params_changed = False  # the local weights were rewritten: a torchrun peer's other ranks copy them
+        # the training thread's seconds at rounds' boundaries: the snapshot, the corrections of the weights,
+        # the bookkeeping of a round's landing, any resync download
+        self.outer_s = 0.0
+        self.last_group_size = 0  # of the last applied round; with the counters, for `status` and `monitor`
+        self.rounds_applied = self.rounds_failed = 0
+        self._awaiting_read = -math.inf  # after a freeze: no round before the others' records are read (until then)
+        self._last_step = time.monotonic()
+
+    def begin(self, inner_step: int) -> None:
+        """At the start of training: the schedule's clock, and for a joiner the swarm's phase."""
+        cfg = self.cfg
+        self.inner_step = inner_step
+        self.swarm_outer_step = self.outer.step
+        self._last_step = time.monotonic()
+        if cfg.schedule and not cfg.sync_rounds:
+            self.clock = schedule.Clock(inner_steps=cfg.inner_steps, now=time.time(), inner_step=inner_step,
+                                        window=cfg.matchmaking_time, mono=time.monotonic(),
+                                        group_size=cfg.target_group_size if cfg.grid else 0)
+            if cfg.initial_peers:  # a joiner enters the swarm's phase at its first round
+                self._check_swarm_outer_step()
+
+    def position(self) -> int:
+        """Inner steps along the run, for the inner learning rate's schedule."""
+        return self.outer.step * self.cfg.inner_steps + self.steps_since_round
+
+    def record(self) -> dict:
+        """Our part of the progress record: rounds, the schedule, our cell."""
+        return {"group_size": self.last_group_size, "rounds_applied": self.rounds_applied,
+                "rounds_failed": self.rounds_failed, **(self.clock.record() if self.clock else {}),
+                **({"cell": self.grid_coords} if self.grid_coords is not None else {})}
+
+    def at_step_boundary(self, inner_step: int, tokens: int) -> bool:
+        """After inner step `inner_step` (`tokens` more behind our pseudo-gradient): apply a weight
+        correction that a round staged; land a round that came back; hand the pseudo-gradient to a
+        background round when one is due. True when an outer step was applied (the local weights moved
+        onto a new anchor)."""
+        cfg = self.cfg
+        # a gap longer than a round could take: we were frozen (SIGSTOP, suspend, swap); the swarm
+        # moved on, so look at where it is before contributing anything
+        now = time.monotonic()
+        if now - self._last_step > cfg.allreduce_timeout:
+            if self.clock is not None:  # our due time passed while we slept: take the swarm's phase
+                self.clock.in_phase = False
+            self.records.ask_read()
+            self._awaiting_read = now + 10.0
+        self._last_step = now
+        self.inner_step = inner_step
+        self.steps_since_round += 1
+        self.tokens_since_anchor += tokens
+        found = self.records.take_read()
+        if found is not None:  # the others' progress records, read by the records thread
+            self._note_progress(found)
+            self._awaiting_read = -math.inf
+
+        # --- a correction staged by the round's thread: the eager preview ------------------
+        if self.pending is not None and self.boundary.ready() and not self.pending.future.done():
+            with self._on_boundary() as cost:
+                if self.boundary.apply_ready() is not None:
+                    self.params_changed = True
+            self.pending.add_cost("preview", cost)
+
+        # --- outer step: a round came back -----------------------------------------
+        applied = False
+        if self.pending is not None and self.pending.future.done():
+            pending, self.pending = self.pending, None
+            applied = self._finish_round(pending)
+
+        # --- every inner_steps steps: hand the pseudo-gradient to a background round ----
+        if self.pending is None and now >= self._awaiting_read:
+            enter = (self.clock.should_enter(now=time.time(), inner_step=inner_step, mono=time.monotonic())
+                     if self.clock else None)
+            if enter is None:  # no schedule (yet): every inner_steps steps
+                enter = self.steps_since_round >= self.due_steps - self.lead_steps
+            if enter:
+                with self._on_boundary() as cost:
+                    self.pending = self._start_round()
+                if self.pending is not None:
+                    self.pending.add_cost("start", cost)
+                if cfg.sync_rounds:
+                    applied = self._wait_round_sync() or applied
+        return applied
+
+    def finish(self, *, wait: bool) -> None:
+        """After the loop: land the round in flight, waiting for it up to a round's bound if `wait`."""
+        if self.pending is not None and wait:
+            concurrent.futures.wait([self.pending.future], timeout=self._round_bound())
+        if self.pending is not None and self.pending.future.done():
+            pending, self.pending = self.pending, None
+            self._finish_round(pending)
+
+    def _install(self, loaded: state.LoadedState, *, keep_local: bool, tokens_kept: int = 0) -> None:
         """Adopt a downloaded anchor; keep_local keeps the progress made since the last snapshot
         (tokens_kept tokens) and contributes it at once, to land in the same matchmaking window
         as the group it fell behind: waiting inner_steps would miss it and diverge again."""
-        if keep_local and self._kept is None:  # progress since our own anchor
-            self._kept = flat_params(self.model) - self.anchor
-        with self._updating_state():  # loaded: views of the averager's idle round buffer, copied in place
-            self.anchor.copy_(loaded.anchor)
-            self.momentum.copy_(loaded.momentum)
-            self.outer_step = loaded.outer_step
+        if keep_local and self.kept is None:  # progress since our own anchor
+            self.kept = flat_params(self.model) - self.outer.anchor
+        self.outer.load(loaded.anchor, loaded.momentum, loaded.outer_step)  # views of the averager's idle buffer
         self.averager.release_staging()  # `loaded` was a view of it
         if keep_local:
             self._place_progress()
         else:
-            self._kept = None
-            load_flat_(self.model, self.anchor)
-        self._params_changed = True
+            self.kept = None
+            load_flat_(self.model, self.outer.anchor)
+        self.params_changed = True
         self.tokens_since_anchor = tokens_kept if keep_local else 0
         self.steps_since_round = self.cfg.inner_steps if keep_local else 0
         if not self.averager.client_mode:
-            self.averager.state_sharing_priority = float(self.outer_step)
+            self.averager.state_sharing_priority = float(self.outer.step)
 
     def _round_bound(self) -> float:
         """The longest a round can take: matchmaking, all-reduce, verdicts."""
         cfg = self.cfg
         return cfg.matchmaking_time * 2 + cfg.request_timeout + cfg.allreduce_timeout + cfg.verdict_timeout + 5
 
-    def _wait_round_sync(self, t_start: float) -> bool:
+    def _wait_round_sync(self) -> bool:
         """Synchronous DiLoCo: no training until a full round applies (retried while the group is short)."""
-        while self.pending is not None and not self.stop_event.is_set() and not self._out_of_time(t_start):
+        while self.pending is not None and not self.stop_event.is_set() and not self.out_of_time():
             concurrent.futures.wait([self.pending.future], timeout=0.5)
             if self.pending.future.done():
                 pending, self.pending = self.pending, None
@@ -253,7 +407,7 @@ class SwarmRounds:
         self._note_progress(records)
 
     def _note_progress(self, records: dict) -> None:
-        self.swarm_outer_step = max([self.outer_step, *(r.get("outer_step", 0) for r in records.values())])
+        self.swarm_outer_step = max([self.outer.step, *(r.get("outer_step", 0) for r in records.values())])
         self.swarm_size = len(set(records) | {self.peer_id})  # live peers: records expire
         if self.clock is not None:
             self.clock.observe(records)
@@ -274,7 +428,7 @@ class SwarmRounds:
         and the round's announcement; the rest (pseudo-gradient, digest, eager preview, the averager's
         settings) runs in the round's thread, in buffers allocated once (boundary.py)."""
         cfg = self.cfg
-        age = max(0, self.swarm_outer_step - self.outer_step)
+        age = max(0, self.swarm_outer_step - self.outer.step)
         too_stale = age > cfg.max_staleness
         if too_stale and not self.merging:
             self._resync(f"{age} outer steps behind the swarm", keep_local=False)
@@ -284,7 +438,7 @@ class SwarmRounds:
         weight = 1.0 if cfg.outer_apply == "per_contribution" else contribution_weight(self.tokens_since_anchor, age)
         if too_stale:  # a zero pseudo-gradient must not dilute the others' average
             weight = 0.0
-        gather = {"peer": self.peer_id, "outer_step": self.outer_step, "tokens": self.tokens_since_anchor,
+        gather = {"peer": self.peer_id, "outer_step": self.outer.step, "tokens": self.tokens_since_anchor,
                   "swarm": self.swarm_size, "waited": self.last_wait_s}
         line = late = bits = None
         if self.clock is not None:  # our due time and speed: the group derives its next due time from them
@@ -300,19 +454,19 @@ class SwarmRounds:
         own_share = 1.0 / max(1, self._full_group()) if cfg.eager_mix else 1.0
         eager = self.eager
         self.steps_since_round = 0
-        outer_step = self.outer_step
+        outer_step = self.outer.step
 
         def pseudo_grad():  # in the round's thread
             if bits is not None:
                 self.averager.set_group_bits(bits, wait=False)
             if target is not None:
                 self.averager.set_target_group_size(target)
-            with self.state_lock:
-                delta = self.boundary.pseudo_grad_(self.anchor)
-                digest = diloco.anchor_digest(self.anchor, self.digest_idx)
+            with self.outer.lock:
+                delta = self.boundary.pseudo_grad_(self.outer.anchor)
+                digest = self.outer.digest()
                 # no copies: the round copies them into its buffer before it can finish, and only a
                 # finished round (or a resync between rounds) changes them
-                anchor, momentum = (self.anchor, self.momentum) if self.merging else (None, None)
+                anchor, momentum = (self.outer.anchor, self.outer.momentum) if self.merging else (None, None)
             if too_stale:  # too old to help: contribute nothing, take the group's anchor in the merge round
                 delta.zero_()
             sent = delta  # what goes to the group; the eager preview below takes our own, honest delta
@@ -325,7 +479,7 @@ class SwarmRounds:
                 prev = self._attack_prev if self._attack_prev is not None else delta
                 sent = attack_for_test(SENDER_ATTACK, delta, prev, outer_step)
             if eager:  # train the round in flight from where the anchor will about be (arXiv 2502.12996)
-                self.boundary.stage_preview(self.momentum, cfg, own_share=own_share)
+                self.boundary.stage_preview(self.outer.momentum, cfg, own_share=own_share)
             return sent, anchor, momentum, {"digest": digest}
 
         def formed() -> None:  # in the round's thread
@@ -335,7 +489,7 @@ class SwarmRounds:
         pending = PendingRound(None, self.boundary.delta, eager, self.tokens_since_anchor, weight, age,
                                start_step=self.inner_step, started_at=time.monotonic(), own_share=own_share,
                                grid=line, late=late)
-        pending.future = self.rounds.start(pseudo_grad, weight=weight, gather=gather, on_allreduce=formed,
+        pending.future = self.runner.start(pseudo_grad, weight=weight, gather=gather, on_allreduce=formed,
                                            settle=lambda outcome: self._settle_round(pending, outcome))
         return pending
 
@@ -349,7 +503,7 @@ class SwarmRounds:
             pending.eager = self.boundary.take_base() if pending.eager else False
             if not outcome.ok:
                 if pending.eager:  # back onto the snapshot: the next pseudo-gradient carries our progress
-                    self.boundary.stage_undo(self.momentum, self.cfg, own_share=pending.own_share)
+                    self.boundary.stage_undo(self.outer.momentum, self.cfg, own_share=pending.own_share)
                 return outcome
             members = list(outcome.members.values())
             reference = max(members, key=lambda m: (m["outer_step"], m["peer"]))
@@ -367,26 +521,26 @@ class SwarmRounds:
 
             def move() -> None:  # the anchor and momentum become the new ones, in place
                 if merged:  # everyone's anchor and momentum, merged in the round: nobody's progress is lost
-                    self.anchor.copy_(outcome.anchor)  # in place: the outcome is a view of the round's buffer
-                    self.momentum.copy_(outcome.momentum)
+                    self.outer.anchor.copy_(outcome.anchor)  # in place: the outcome is a view of the round's buffer
+                    self.outer.momentum.copy_(outcome.momentum)
                 if self.cfg.outer_apply == "per_contribution":  # the negative control: momentum per contribution
                     for contribution in outcome.average.view(-1, self.numel)[:len(members)]:
-                        diloco.outer_step_(self.anchor, self.momentum, contribution * len(members),
+                        diloco.outer_step_(self.outer.anchor, self.outer.momentum, contribution * len(members),
                                            outer_lr=self.cfg.outer_lr, outer_momentum=self.cfg.outer_momentum)
                 else:
-                    diloco.outer_step_(self.anchor, self.momentum, outcome.average, scale=share,
+                    diloco.outer_step_(self.outer.anchor, self.outer.momentum, outcome.average, scale=share,
                                        outer_lr=self.cfg.outer_lr, outer_momentum=self.cfg.outer_momentum)
                 if SENDER_ATTACK:  # per_contribution holds one slot per member: their sum is the average
                     self._attack_prev = outcome.average.view(-1, self.numel)[:len(members)].sum(0)
-                self.outer_step = max(m["outer_step"] for m in members) + 1
+                self.outer.step = max(m["outer_step"] for m in members) + 1
 
-            with self._updating_state():
-                self.boundary.stage_outer(self.anchor, self.momentum, self.cfg, preview=pending.eager,
+            with self.outer.updating():
+                self.boundary.stage_outer(self.outer.anchor, self.outer.momentum, self.cfg, preview=pending.eager,
                                           own_share=pending.own_share, move=move)
-                pending.digest = diloco.anchor_digest(self.anchor, self.digest_idx)
+                pending.digest = self.outer.digest()
             pending.applied = True
             if averager is not None and not averager.client_mode:
-                averager.state_sharing_priority = float(self.outer_step)
+                averager.state_sharing_priority = float(self.outer.step)
             return outcome
         finally:  # a merge round's segments (read above) go back to the system
             if averager is not None:
@@ -399,10 +553,10 @@ class SwarmRounds:
         with self._on_boundary() as cost:
             outcome: RoundOutcome = pending.future.result()
             if self.boundary.apply_ready() is not None:  # the other ranks of a torchrun peer copy the weights
-                self._params_changed = True
+                self.params_changed = True
             applied = self._land_round(pending, outcome)
         pending.add_cost("finish", cost)
-        self.metrics.log("boundary", outer_step=self.outer_step, applied=applied, boundary_s=pending.boundary_s,
+        self.metrics.log("boundary", outer_step=self.outer.step, applied=applied, boundary_s=pending.boundary_s,
                          start_s=pending.start_s, preview_s=pending.preview_s,
                          finish_s=pending.boundary_s - pending.start_s - pending.preview_s, faults=pending.faults,
                          round_s=outcome.round_s)
@@ -432,10 +586,10 @@ class SwarmRounds:
             else:
                 self.clock.after_no_group()
         # bad_contribution and reducer_check events; a peer that keeps attacking is banned (suspects.py)
-        self.suspects.judge(outcome, self.metrics, self.averager, outer_step=self.outer_step)
+        self.suspects.judge(outcome, self.metrics, self.averager, outer_step=self.outer.step)
         if not outcome.ok:
             self._count_from_formation(pending)
-            self.metrics.log("round_failed", reason=outcome.reason, outer_step=self.outer_step,
+            self.metrics.log("round_failed", reason=outcome.reason, outer_step=self.outer.step,
                              round_s=outcome.round_s, grid=list(pending.grid) if pending.grid else None,
                              late=pending.late)
             self.rounds_failed += 1
@@ -444,34 +598,34 @@ class SwarmRounds:
         if not pending.applied:  # our anchor differs from the group's
             # our progress since the round's base goes onto the downloaded anchor; if no download
             # comes, it goes back onto our snapshot (the pseudo-gradient is kept for that)
-            self._kept = self._local_progress(pending, out=torch.empty_like(pending.delta))
+            self.kept = self._local_progress(pending, out=torch.empty_like(pending.delta))
             # the reference members apply this round: wait until one of them offers the result
             self._resync(f"anchor differs from the group's (spread {pending.spread:.2e})", keep_local=True,
                          min_outer_step=pending.resync_to, tokens_kept=self.tokens_since_anchor - tokens)
-            if self._kept is not None:  # no download came: our progress goes back onto our snapshot
-                self._kept = None
+            if self.kept is not None:  # no download came: our progress goes back onto our snapshot
+                self.kept = None
                 self._undo_preview(pending)
             return False
         members = list(outcome.members.values())
-        self._params_changed = True
+        self.params_changed = True
         self.tokens_since_anchor -= tokens
         if self._count_from_formation(pending):
             self._schedule_lead(pending, members)
-        self.swarm_outer_step = max(self.swarm_outer_step, self.outer_step)
+        self.swarm_outer_step = max(self.swarm_outer_step, self.outer.step)
         report = outcome.report
         self.last_group_size = len(members)
         self.rounds_applied += 1
-        if self.outer_step % self.cfg.eval_every == 0:
-            self.evaluator.request(self.outer_step)
-        self.metrics.log("outer", outer_step=self.outer_step, group_size=len(members), share=pending.share,
+        if self.outer.step % self.cfg.eval_every == 0:
+            self.evaluator.request(self.outer.step)
+        self.metrics.log("outer", outer_step=self.outer.step, group_size=len(members), share=pending.share,
                          weight=weight, tokens=tokens, staleness=age, round_s=outcome.round_s,
                          bytes_sent=report.bytes_sent, bytes_recv=report.bytes_recv, anchor_spread=pending.spread,
                          diverged_members=pending.diverged, merged=outcome.anchor is not None,
                          swarm_size=self.swarm_size, members=[m[-6:] for m in sorted(outcome.members)],
                          grid=list(pending.grid) if pending.grid else None,  # [round, dims, our cell]
                          late=pending.late, lead_steps=self.lead_steps, digest=pending.digest)
-        if self.outer_step % self.cfg.checkpoint_every == 0:
-            self._save_checkpoint()
+        if self.outer.step % self.cfg.checkpoint_every == 0:
+            self.save_checkpoint()
         return True
 
     def _count_from_formation(self, pending: PendingRound) -> bool:
@@ -507,7 +661,7 @@ class SwarmRounds:
                     snapshot = self._base(part, pending.delta, eager=False)
                     preview = self._base(part, pending.delta, eager=True, own_share=pending.own_share)
                     param.add_((snapshot - preview).view_as(param))
-            self._params_changed = True
+            self.params_changed = True
 
     def _base(self, part: torch.Tensor, delta: torch.Tensor, *, eager: bool, own_share: float = 1.0) -> torch.Tensor:
         """The slice `part` (a view of `delta`) of what the local model trained from since the round
@@ -515,9 +669,10 @@ class SwarmRounds:
         start = part.storage_offset() - delta.storage_offset()
         sl = slice(start, start + part.numel())
         if not eager:
-            return self.anchor[sl] - part
-        return diloco.preview_outer_step(self.anchor[sl], self.momentum[sl], part, outer_lr=self.cfg.outer_lr,
-                                         outer_momentum=self.cfg.outer_momentum, own_share=own_share)
+            return self.outer.anchor[sl] - part
+        return diloco.preview_outer_step(self.outer.anchor[sl], self.outer.momentum[sl], part,
+                                         outer_lr=self.cfg.outer_lr, outer_momentum=self.cfg.outer_momentum,
+                                         own_share=own_share)
 
     def _local_progress(self, pending: PendingRound, *, out: torch.Tensor) -> torch.Tensor:
         """local - base into `out` (may be pending.delta itself, when it is no longer needed): the
@@ -531,20 +686,20 @@ class SwarmRounds:
         return out
 
     def _place_progress(self) -> None:
-        """local = anchor + the progress kept by _local_progress (self._kept)."""
-        progress, self._kept = self._kept, None
+        """local = anchor + the progress kept by _local_progress (self.kept)."""
+        progress, self.kept = self.kept, None
         with torch.no_grad():
             for param, part in _param_slices(self.model, progress):
                 offset = part.storage_offset() - progress.storage_offset()
-                param.copy_((self.anchor[offset:offset + part.numel()] + part).view_as(param))
-        self._params_changed = True
+                param.copy_((self.outer.anchor[offset:offset + part.numel()] + part).view_as(param))
+        self.params_changed = True
 
     def _resync(self, reason: str, *, keep_local: bool, min_outer_step: int = 0, tokens_kept: int = 0) -> None:
-        self._progress(f"p2pdiloco: resyncing state ({reason}) ...")
+        self.say(f"p2pdiloco: resyncing state ({reason}) ...")
         loaded = state.download_state(self.averager, self.cfg, self.numel, timeout=self.cfg.state_timeout,
                                       min_outer_step=min_outer_step, stop_event=self.stop_event)
         if loaded is None:
-            self.metrics.log("round_failed", reason=f"resync failed: {reason}", outer_step=self.outer_step)
+            self.metrics.log("round_failed", reason=f"resync failed: {reason}", outer_step=self.outer.step)
             return
         self._install(loaded, keep_local=keep_local, tokens_kept=tokens_kept)
         self.metrics.log("resync", reason=reason, loaded_outer_step=loaded.outer_step, download_s=loaded.download_s)

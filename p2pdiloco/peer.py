@@ -6,13 +6,11 @@
 The loop never waits for the network: every `inner_steps` steps it hands the pseudo-gradient to a
 background round (RoundRunner) and keeps training; when the round's future is done it applies one
 outer step (or discards the round) and goes on. How a round starts and lands is in outer.py
-(SwarmRounds, which Peer mixes in); the math is in diloco.py.
+(Rounds, the round driver the peer owns, with the outer state); the math is in diloco.py.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import copy
 import ctypes
 import dataclasses
@@ -27,7 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
-from p2pdiloco import bootstrap, checkpoint, diloco, reachability, schedule, sinks, state, swarm
+from p2pdiloco import bootstrap, checkpoint, diloco, reachability, sinks, state, swarm
 from p2pdiloco.averaging import DilocoAverager, RoundRunner, quiet_expected_events
 from p2pdiloco.boundary import Boundary
 from p2pdiloco.data import DataError, load_data
@@ -38,7 +36,7 @@ from p2pdiloco.device import pick_device
 from p2pdiloco.evaluator import Evaluator
 from p2pdiloco.metrics import Metrics
 from p2pdiloco.model import build_model, flat_params, load_flat_, num_params
-from p2pdiloco.outer import PendingRound, SwarmRounds
+from p2pdiloco.outer import OuterState, Rounds
 from p2pdiloco.records import SwarmRecords
 from p2pdiloco.steptimer import StepTimer
 from p2pdiloco.ranks import Ranks
@@ -93,7 +91,7 @@ def model_size(cfg) -> int:
         return num_params(build_model(cfg, pretrained=False))
 
 
-class Peer(SwarmRounds):
+class Peer:
     def __init__(self, cfg, *, quiet: bool = False, stop_event: Optional[threading.Event] = None,
                  model: Optional[torch.nn.Module] = None, inner_opt: Optional[torch.optim.Optimizer] = None,
                  eval_fn: Optional[Callable[[torch.nn.Module], float]] = None, handle_signals: bool = True):
@@ -101,14 +99,14 @@ class Peer(SwarmRounds):
         AdamW, and the held-out loss of our corpus. handle_signals: SIGINT/SIGTERM stop the loop."""
         self.cfg = cfg
         self.stop_event = stop_event or threading.Event()
-        self.state_lock = threading.Lock()  # guards anchor, momentum, outer_step (read by joiners' downloads)
-        self.outer_step = 0
         self.inner_step = 0
-        self.dht = self.averager = self.rounds = self.metrics = None
+        self.dht = self.averager = self.metrics = None
+        self.runner: Optional[RoundRunner] = None  # runs one averaging round in a thread of its own
         self.claims = None  # data/claims.py, for prepared tokens
         self.shard_source = None  # data/fetch.py: the shards we hold, and the others from peers
-        self.pending = None
         # parts the peer owns, each on its own thread where it blocks (started once training begins)
+        self.outer: Optional[OuterState] = None  # anchor, outer momentum, outer step (outer.py)
+        self.rounds: Optional[Rounds] = None  # the round driver (outer.py); rank 0 of a torchrun peer only
         self.boundary: Optional[Boundary] = None  # the round boundary's buffers (boundary.py)
         self.evaluator: Optional[Evaluator] = None  # the anchor's evaluation
         self.records: Optional[SwarmRecords] = None  # our DHT records and the others'
@@ -121,11 +119,9 @@ class Peer(SwarmRounds):
         self.ranks = Ranks.from_env() if model is None else None
         self.leader = self.ranks is None or self.ranks.rank == 0
         self.quiet = quiet or not self.leader
-        self._params_changed = False  # the leader rewrote the local weights: the other ranks must copy them
+        self.position = 0  # the other ranks of a torchrun peer: the leader's position in the run, every step
         self.maddrs: list[str] = []
         self.peer_id: Optional[str] = None  # the DHT's, once the network is up (rank 0 of a torchrun peer)
-        self.last_group_size = 0  # of the last applied round; with the counters below, for `status`/`monitor`
-        self.rounds_applied = self.rounds_failed = 0
         self.last_eval_loss = None
 
     # ----------------------------------------------------------------------------- setup
@@ -134,13 +130,9 @@ class Peer(SwarmRounds):
         if not self.quiet:
             print(msg, file=sys.stderr, flush=True)
 
-    @contextlib.contextmanager
-    def _updating_state(self):
-        """Every change of anchor, momentum or outer_step: joiners' downloads (served from the
-        averager process) discard what they copied meanwhile, and see the new version after."""
-        with self.state_lock, self.shared.writing():
-            yield
-            self.shared.publish(self.outer_step, self.digest_idx)
+    @property
+    def outer_step(self) -> int:
+        return self.outer.step if self.outer is not None else 0
 
     def _setup(self) -> None:
         """The network first, then the model: hivemind forks the DHT and averager processes, and a
@@ -168,7 +160,7 @@ class Peer(SwarmRounds):
         if own_model:  # a bad data path is a one-line error before anything starts; read-only pages
             self.data = load_data(cfg, progress=self._progress)  # stay shared with the forked children
         # anchor | momentum in shared memory, before the averager forks: it serves them to joiners
-        self.shared = state.SharedState(self.numel, shared=self.leader)
+        self.outer = OuterState(state.SharedState(self.numel, shared=self.leader))
         if self.leader:
             self._start_network()
         self._claim_data()
@@ -201,14 +193,14 @@ class Peer(SwarmRounds):
         data = self.data
         sharing = getattr(data, "fetch", False) and cfg.data_order == "claims"
         self.averager = DilocoAverager([torch.empty(self.numel * (3 if self.merging else slots))], self.dht,
-                                       cfg=cfg, shared=self.shared, slots=slots,
+                                       cfg=cfg, shared=self.outer.shared, slots=slots,
                                        merge_size=self.numel if self.merging else 0, client_mode=self.reach.client,
                                        shards={name: (str(path), path.stat().st_size) for name, path
                                                in data.paths.items()} if sharing else None,
                                        shard_cache=ShardCache(cfg.shard_cache_dir, int(cfg.shard_cache_gb * 2**30))
                                        if sharing else None)
         self.averager.release_staging()  # merge segments and download staging: in memory only while used
-        self.rounds = RoundRunner(self.averager, self.dht, cfg)
+        self.runner = RoundRunner(self.averager, self.dht, cfg)
         self.suspects = Suspects(ban_time=cfg.ban_time, peer_id=self.peer_id)
         # again: hivemind's averager sets SIGINT to ignored when it starts
         if self.handle_signals:
@@ -273,12 +265,10 @@ class Peer(SwarmRounds):
             self.eval_model = eval_module(cfg, self.model)
         elif self.eval_fn is not None:  # a caller's eval_fn takes a module: it gets a copy holding the anchor
             self.eval_model = copy.deepcopy(self.model).eval()
-        self.anchor, self.momentum = self.shared.anchor, self.shared.momentum  # changed in place only
-        self.digest_idx = diloco.digest_indices(self.numel)
         self.autocast = self.device.type == "cuda"
         self.tokens = 0
-        with self._updating_state():
-            self.anchor.copy_(flat_params(self.model))
+        with self.outer.updating():
+            self.outer.anchor.copy_(flat_params(self.model))
         if self.resume is not None:
             self._restore(self.resume)
         if self.leader:
@@ -343,10 +333,7 @@ class Peer(SwarmRounds):
             t = payload.get(key)
             if not isinstance(t, torch.Tensor) or t.numel() != numel or not state.all_finite(t):
                 raise checkpoint.CheckpointError(f"checkpoint field {key} is missing, of the wrong size or not finite")
-        with self._updating_state():
-            self.anchor.copy_(payload["anchor"].reshape(-1))
-            self.momentum.copy_(payload["momentum"].reshape(-1))
-            self.outer_step = int(payload["outer_step"])
+        self.outer.load(payload["anchor"], payload["momentum"], int(payload["outer_step"]))
         self.inner_step = int(payload.get("inner_step", 0))
         if self.claims is not None and isinstance(payload.get("data_order"), dict):
             self.claims.restore(payload["data_order"])
@@ -368,18 +355,19 @@ class Peer(SwarmRounds):
             if not wait:
                 return
             self._writer.join()
-        outer_step = self.outer_step
+        outer = self.outer
+        outer_step = outer.step
         payload = {"format": 1, "run_id": self.cfg.run_id, "fingerprint": self.cfg.fingerprint(),
                    "outer_step": outer_step, "inner_step": self.inner_step, "local": flat_params(self.model).cpu(),
                    "inner_opt": _cpu_copy(self.opt.state_dict()), "peer": self.peer_id,
                    "data_order": self.claims.state() if self.claims is not None else None}
 
         def write() -> None:
-            with self.state_lock:
-                if self.outer_step != outer_step:
+            with outer.lock:
+                if outer.step != outer_step:
                     logger.info(f"checkpoint of outer step {outer_step} skipped: the anchor moved meanwhile")
                     return
-                payload.update(anchor=self.anchor.clone(), momentum=self.momentum.clone())
+                payload.update(anchor=outer.anchor.clone(), momentum=outer.momentum.clone())
             try:
                 checkpoint.save_checkpoint(self.cfg.checkpoint_dir, payload, outer_step=outer_step)
             except OSError as e:  # disk full, dir removed...: keep training, the previous checkpoint stays
@@ -406,7 +394,9 @@ class Peer(SwarmRounds):
                                f"swarm's ({loaded.outer_step}); keeping it")
                 loaded = None
             if loaded is not None:
-                self._install(loaded, keep_local=False)
+                self.outer.load(loaded.anchor, loaded.momentum, loaded.outer_step)
+                self.averager.release_staging()  # `loaded` was a view of its staging area
+                load_flat_(self.model, self.outer.anchor)
                 self.metrics.log("join", loaded_outer_step=loaded.outer_step, download_s=loaded.download_s,
                                  sources=len(loaded.sources))
                 self._progress(f"p2pdiloco: loaded outer step {loaded.outer_step} ({self.numel * 8 / 1e6:.1f} MB "
@@ -445,7 +435,6 @@ class Peer(SwarmRounds):
         try:
             if self.handle_signals:
                 self._install_signal_handlers()
-            self._kept = None  # local progress to place on the next anchor (outer.py)
             self._setup()
             if self.leader:
                 self._join()
@@ -456,41 +445,36 @@ class Peer(SwarmRounds):
     def start(self) -> None:
         """Set up and join the swarm without running our own loop (the Python API drives the
         steps through `after_step`)."""
-        self._kept = None  # local progress to place on the next anchor (outer.py)
         self._setup()
         self._join()
         self.begin_training()
 
     def begin_training(self) -> None:
-        self.tokens_since_anchor = 0  # tokens behind the current pseudo-gradient
-        self.steps_since_round = 0
-        self.swarm_outer_step = self.outer_step
-        self.swarm_size = 1
-        self.due_steps = self.cfg.inner_steps  # inner steps per contribution (dynamic_inner_steps scales them)
-        self.lead_steps, self.lead_s, self.last_wait_s = 0, 0.0, None  # matchmaking_lead (outer.py)
-        if self.cfg.schedule and not self.cfg.sync_rounds:
-            self.clock = schedule.Clock(inner_steps=self.cfg.inner_steps, now=time.time(), inner_step=self.inner_step,
-                                        window=self.cfg.matchmaking_time, mono=time.monotonic(),
-                                        group_size=self.cfg.target_group_size if self.cfg.grid else 0)
-            if self.cfg.initial_peers and self.leader:  # a joiner enters the swarm's phase at its first round
-                self._check_swarm_outer_step()
-        # eager outer updates need training while a round runs (not synchronous DiLoCo)
-        self.eager = self.cfg.eager_outer and not self.cfg.sync_rounds and self.cfg.outer_apply == "group"
-        self.pending: Optional[PendingRound] = None
-        self._awaiting_read = -math.inf  # after a freeze: no round before the others' records are read (until then)
-        self.t_start = self._last_log = self._last_step = time.monotonic()
+        """The loop's counters and, on the peer that talks to the swarm, the parts that run beside it:
+        the evaluator, the records thread and the round driver."""
+        cfg = self.cfg
+        self.t_start = self._last_log = time.monotonic()
         self.timer = StepTimer(self.device)  # inside forward, backward and optimizer step: the utilization numerator
         self.data_s = 0.0  # waiting for the next batch
-        # in this (the training) thread, the rounds' boundaries: the snapshot, the corrections of the weights and
-        # the bookkeeping of a round's landing (boundary.py), with any resync download
-        self.outer_s = 0.0
-        self.eval_s = 0.0  # of which evaluating the anchor here (the final evaluation)
+        self.eval_s = 0.0  # evaluating the anchor in this thread (the final evaluation)
         self._loss_sum, self._loss_n, self._tokens_at_log = 0.0, 0, 0
         self.last_loss = math.nan
-        if self.leader:
-            self.evaluator = Evaluator(self._evaluate_anchor, budget=self.cfg.eval_budget, on_result=self._evaluated)
-            self.records = SwarmRecords(self.dht, self.cfg, claims=self.claims, shard_source=self.shard_source,
-                                        swarm_size=lambda: self.swarm_size)
+        if not self.leader:
+            return
+        self.evaluator = Evaluator(self._evaluate_anchor, budget=cfg.eval_budget, on_result=self._evaluated)
+        self.records = SwarmRecords(self.dht, cfg, claims=self.claims, shard_source=self.shard_source,
+                                    swarm_size=lambda: self.rounds.swarm_size if self.rounds else 1)
+        self.rounds = Rounds(cfg, outer=self.outer, model=self.model, boundary=self.boundary, numel=self.numel,
+                             metrics=self.metrics, suspects=self.suspects, averager=self.averager, runner=self.runner,
+                             dht=self.dht, records=self.records, evaluator=self.evaluator, peer_id=self.peer_id,
+                             merging=self.merging, stop_event=self.stop_event, save_checkpoint=self._save_checkpoint,
+                             say=self._progress, out_of_time=lambda: self._out_of_time(self.t_start))
+        self.rounds.begin(self.inner_step)
+
+    @property
+    def outer_s(self) -> float:
+        """The training thread's seconds at rounds' boundaries (outer.py)."""
+        return self.rounds.outer_s if self.rounds is not None else 0.0
 
     @property
     def compute_s(self) -> float:
@@ -515,7 +499,7 @@ class Peer(SwarmRounds):
             if stop:
                 break
             # --- inner step ------------------------------------------------------------
-            position = self.outer_step * cfg.inner_steps + self.steps_since_round
+            position = self.rounds.position() if self.leader else self.position
             lr = diloco.inner_lr_at(position, inner_lr=cfg.inner_lr, warmup_steps=cfg.warmup_steps,
                                     total_steps=cfg.total_steps, min_lr_ratio=cfg.min_lr_ratio)
             for group in self.opt.param_groups:
@@ -539,66 +523,20 @@ class Peer(SwarmRounds):
                 time.sleep(step_s * (cfg.slowdown - 1))
             if self.leader:
                 self.after_step(loss.detach(), tokens_per_step)
-            else:
-                self.steps_since_round += 1
         self.finish_training()
 
     def after_step(self, loss: Optional[torch.Tensor], tokens: int) -> bool:
-        """Count one inner step (its loss, its tokens); apply a weight correction that a round staged; land a
-        round that came back; every inner_steps steps hand the pseudo-gradient to a background round. True
-        when an outer step was applied (the local weights moved onto a new anchor)."""
-        cfg = self.cfg
-        # a gap longer than a round could take: we were frozen (SIGSTOP, suspend, swap); the swarm
-        # moved on, so look at where it is before contributing anything
-        now = time.monotonic()
-        if now - self._last_step > cfg.allreduce_timeout:
-            if self.clock is not None:  # our due time passed while we slept: take the swarm's phase
-                self.clock.in_phase = False
-            self.records.ask_read()
-            self._awaiting_read = now + 10.0
-        self._last_step = now
+        """Count one inner step (its loss, its tokens), then the round driver's work at this step
+        boundary (outer.py), then every log interval the status line and our records. True when an
+        outer step was applied (the local weights moved onto a new anchor)."""
         self.inner_step += 1
-        self.steps_since_round += 1
         self.tokens += tokens
-        self.tokens_since_anchor += tokens
         if loss is not None:
             self._loss_sum = self._loss_sum + loss  # a tensor on the device: no sync per step
             self._loss_n += 1
-        found = self.records.take_read()
-        if found is not None:  # the others' progress records, read by the records thread
-            self._note_progress(found)
-            self._awaiting_read = -math.inf
-
-        # --- a correction staged by the round's thread: the eager preview ------------------
-        if self.pending is not None and self.boundary.ready() and not self.pending.future.done():
-            with self._on_boundary() as cost:
-                if self.boundary.apply_ready() is not None:
-                    self._params_changed = True
-            self.pending.add_cost("preview", cost)
-
-        # --- outer step: a round came back -----------------------------------------
-        applied = False
-        if self.pending is not None and self.pending.future.done():
-            pending, self.pending = self.pending, None
-            applied = self._finish_round(pending)
-
-        # --- every inner_steps steps: hand the pseudo-gradient to a background round ----
-        if self.pending is None and now >= self._awaiting_read:
-            enter = (self.clock.should_enter(now=time.time(), inner_step=self.inner_step, mono=time.monotonic())
-                     if self.clock else None)
-            if enter is None:  # no schedule (yet): every inner_steps steps
-                enter = self.steps_since_round >= self.due_steps - self.lead_steps
-            if enter:
-                with self._on_boundary() as cost:
-                    self.pending = self._start_round()
-                if self.pending is not None:
-                    self.pending.add_cost("start", cost)
-                if cfg.sync_rounds:
-                    applied = self._wait_round_sync(self.t_start) or applied
-
-        # --- every log interval: status line, metrics, our records ----------------------
+        applied = self.rounds.at_step_boundary(self.inner_step, tokens)
         now = time.monotonic()
-        if now - self._last_log >= cfg.log_interval:
+        if now - self._last_log >= self.cfg.log_interval:
             self.last_loss = float(self._loss_sum) / self._loss_n if self._loss_n else math.nan
             tps = (self.tokens - self._tokens_at_log) / (now - self._last_log)
             self._log_inner(tps)
@@ -612,11 +550,7 @@ class Peer(SwarmRounds):
         if self.feed is not None:
             self.feed.close()
         if self.leader:
-            if self.pending is not None and not self.stop_event.is_set():
-                concurrent.futures.wait([self.pending.future], timeout=self._round_bound())
-            if self.pending is not None and self.pending.future.done():
-                pending, self.pending = self.pending, None
-                self._finish_round(pending)
+            self.rounds.finish(wait=not self.stop_event.is_set())
         self.timer.drain(wait=True)
         extra = {}
         if self.ranks:  # one last copy of the leader's weights, then check that every rank holds them
@@ -651,13 +585,13 @@ class Peer(SwarmRounds):
     def _sync_ranks(self, stop: bool) -> bool:
         """Once per inner step on every rank: the leader's stop decision, schedule position and,
         when a round or a resync moved its weights, the weights themselves."""
-        stop, changed, outer_step, steps_since_round = self.ranks.control(
-            [int(stop), int(self._params_changed), self.outer_step, self.steps_since_round])
-        if not self.leader:  # the leader's round thread may have moved its outer step meanwhile: keep it
-            self.outer_step, self.steps_since_round = outer_step, steps_since_round
+        changed = self.leader and self.rounds.params_changed
+        stop, changed, self.position = self.ranks.control(
+            [int(stop), int(changed), self.rounds.position() if self.leader else 0])
         if changed:
             self.ranks.broadcast_params(self.model)
-            self._params_changed = False
+            if self.leader:
+                self.rounds.params_changed = False
         return bool(stop)
 
     def _should_stop(self, t_start: float) -> bool:
@@ -683,12 +617,11 @@ class Peer(SwarmRounds):
         return {"outer_step": self.outer_step, "inner_step": self.inner_step, "loss": self.last_loss,
                 "tokens_per_s": tokens_per_s, "tokens": self.tokens, "device": self.device_name,
                 "maddrs": self.maddrs[:4], "reachability": self.reach.mode,
-                "group_size": self.last_group_size, "rounds_applied": self.rounds_applied,
-                "rounds_failed": self.rounds_failed, "eval_loss": self.last_eval_loss, "time": time.time(),
+                "group_size": 0, "rounds_applied": 0, "rounds_failed": 0,  # before training (wait_for_peers)
+                "eval_loss": self.last_eval_loss, "time": time.time(),
                 **({"data": self.claims.position()} if self.claims is not None else {}),
                 **({"banned": self.suspects.record()} if self.suspects.banned() else {}),
-                **(self.clock.record() if self.clock else {}),
-                **({"cell": self.grid_coords} if self.grid_coords is not None else {})}
+                **(self.rounds.record() if self.rounds is not None else {})}
 
     def bits_per_byte(self, loss: Optional[float]) -> Optional[float]:
         """A held-out loss in bits per byte of text (None without our own data)."""
@@ -710,17 +643,18 @@ class Peer(SwarmRounds):
         (torch.func.functional_call), so on the CPU no copy of the model is made and the state lock is
         held throughout (the round's thread waits to move the anchor); on a GPU the anchor is copied
         there under the lock, then evaluated without it."""
+        outer = self.outer
         if self.eval_fn is not None:
-            with self.state_lock:
-                load_flat_(self.eval_model, self.anchor)
-                outer_step = self.outer_step
+            with outer.lock:
+                load_flat_(self.eval_model, outer.anchor)
+                outer_step = outer.step
             return float(self.eval_fn(self.eval_model)), outer_step
         if self.eval_set is None:
-            return None, self.outer_step
+            return None, outer.step
         on_cpu = self.device.type == "cpu"
-        with self.state_lock:
-            outer_step = self.outer_step
-            flat = self.anchor if on_cpu else self.anchor.to(self.device)
+        with outer.lock:
+            outer_step = outer.step
+            flat = outer.anchor if on_cpu else outer.anchor.to(self.device)
             if on_cpu:
                 return self._held_out_loss(flat), outer_step
         return self._held_out_loss(flat), outer_step
@@ -748,17 +682,19 @@ class Peer(SwarmRounds):
             except Exception as e:  # keep stopping the DHT whatever happened here
                 logger.warning(f"averager shutdown failed: {e!r}")
             self.averager = None
+            if self.rounds is not None:
+                self.rounds.averager = None  # a round's thread still settling must not touch it
         # let DHT calls in flight (a round's verdict, a progress read) finish before the DHT goes:
         # hivemind's DHT can hang on shutdown when a request arrives while it stops
         for part in (self.feed, self.records, self.evaluator):
             if part is not None:
                 part.close()
-        for future in (self.pending.future if self.pending else None,):
-            if future is not None:
-                try:
-                    future.result(timeout=2.0)
-                except Exception as e:  # a failed or cancelled request is fine at this point
-                    logger.debug(f"request in flight at shutdown: {e!r}")
+        pending = self.rounds.pending if self.rounds is not None else None
+        if pending is not None:
+            try:
+                pending.future.result(timeout=2.0)
+            except Exception as e:  # a failed or cancelled request is fine at this point
+                logger.debug(f"request in flight at shutdown: {e!r}")
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None

@@ -55,7 +55,9 @@ MAX_SOURCES = 8
 
 
 @dataclass
-class OuterState:
+class LoadedState:
+    """The swarm's state as a download (or a merge round) brought it: checked, not yet ours."""
+
     outer_step: int
     anchor: torch.Tensor
     momentum: torch.Tensor
@@ -130,7 +132,7 @@ def make_metadata(cfg, outer_step: int) -> dict:
     return {"outer_step": int(outer_step), "fingerprint": cfg.fingerprint(), "run_id": cfg.run_id}
 
 
-def validate_state(metadata, tensors, cfg, numel: int) -> OuterState:
+def validate_state(metadata, tensors, cfg, numel: int) -> LoadedState:
     """Check a downloaded state; raise ValueError with the reason if it is not usable."""
     if not isinstance(metadata, dict):
         raise ValueError("metadata is not a dict")
@@ -148,7 +150,7 @@ def validate_state(metadata, tensors, cfg, numel: int) -> OuterState:
             raise ValueError(f"{name} has {t.numel()} values, the model {numel}")
         if not all_finite(t):
             raise ValueError(f"{name} is not finite")
-    return OuterState(outer_step=outer_step, anchor=anchor, momentum=momentum)
+    return LoadedState(outer_step=outer_step, anchor=anchor, momentum=momentum)
 
 
 def _valid_digest(digest, size: int) -> bool:
@@ -386,7 +388,7 @@ class StateSharing:
 
 
 def download_state(averager, cfg, numel: int, *, timeout: float, min_outer_step: int = 0, progress=None,
-                   stop_event=None) -> Optional[OuterState]:
+                   stop_event=None) -> Optional[LoadedState]:
     """Download the newest outer state from every peer that holds it, retrying until `timeout`.
 
     min_outer_step: wait until some peer offers at least this outer step (a member that left a round
@@ -400,7 +402,7 @@ def download_state(averager, cfg, numel: int, *, timeout: float, min_outer_step:
 
 
 def _download(averager, cfg, numel: int, *, timeout: float, min_outer_step: int, progress, stop_event,
-              shown) -> Optional[OuterState]:
+              shown) -> Optional[LoadedState]:
     deadline = time.monotonic() + timeout
     attempt = 0
     while stop_event is None or not stop_event.is_set():

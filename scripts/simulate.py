@@ -33,7 +33,7 @@ the round lands, `observe`, `adopt` and `grid.settle` at each progress read, spa
   round: averaging.py discards a round without every verdict, after verdict_timeout. So the chance
   that a death mid-round fails the round is the share of the round before the verdicts, not a
   constant. A joiner downloads the state (8 bytes per parameter) from one live peer, then reads the
-  progress records and adopts the swarm's phase (peer.begin_training).
+  progress records and adopts the swarm's phase (outer.Rounds.begin).
 - Progress records: stored and read every progress_read_every(N seen) s, on the peer's log ticks,
   expiring after max(15, 3 x that); a read is used at the next tick (records.py).
   They give the peer's swarm size, the phase to adopt and the cells to settle against.
@@ -383,10 +383,10 @@ class Sim:
         p.msgs += BOTH_ENDS * times * cost[0]
         p.bytes += BOTH_ENDS * times * cost[1]
 
-    # -- a peer's life: peer.begin_training, its log ticks, its rounds
+    # -- a peer's life: outer.Rounds.begin, its log ticks, its rounds
 
     def begin(self, t: float, p: Peer) -> None:
-        """peer.begin_training: a Clock, then (initial_peers) a blocking read of the progress records."""
+        """outer.Rounds.begin: a Clock, then (initial_peers) a blocking read of the progress records."""
         s = self.s
         p.t0 = t
         p.clock = schedule.Clock(inner_steps=s.inner_steps, now=t, inner_step=0, window=s.window,
@@ -472,7 +472,7 @@ class Sim:
         self.push(p.time_of(k), self.wake, p, p.wake_token)
 
     def wake(self, t: float, p: Peer, token: int) -> None:
-        """peer.after_step, at the step it would enter: asks the real clock."""
+        """outer.Rounds.at_step_boundary, at the step it would enter: asks the real clock."""
         if token != p.wake_token or not p.alive or p.pending is not None:
             return
         k = p.step_at(t)
@@ -568,7 +568,7 @@ class Sim:
             self.push(e.peer.time_of(e.peer.step_after(group.done_at)), self.land, e.peer, group)
 
     def land(self, t: float, p: Peer, group: Group) -> None:
-        """outer._apply_round at the first step after the round ended: the clock, our cell, the anchor."""
+        """outer.Rounds._land_round at the first step after the round ended: the clock, our cell, the anchor."""
         if not p.alive or p.pending is not group or t + 1e-9 < group.done_at:
             return  # dead, or a failed round moved its end (a new event is queued)
         s, entry = self.s, p.entry
@@ -582,7 +582,7 @@ class Sim:
                 round_, dims, coords = entry.line
                 p.coords = grid.regroup(coords, round_=round_, dims=dims,
                                         index=min(ids.index(p.id), s.target_group_size - 1))
-            # outer._apply_round: only a group of every live peer leaves everyone in phase (not one line of a grid)
+            # Rounds._land_round: only a group of every live peer leaves everyone in phase (not one line of a grid)
             whole = p.clock.dims <= 1 and len(group.entries) >= p.swarm_size
             p.clock.after_round([e.gather for e in group.entries], full=whole)
             p.count_from = math.floor((group.formed_at - p.t0) * p.speed + 1e-9)  # _count_from_formation

@@ -185,7 +185,7 @@ def test_kill_all_and_restart_from_checkpoints(tmp_path, swarm):
     swarm.start("b", *ckpt("b"), join="a")
     swarm.wait_for(lambda: all(len(swarm.events(n, "outer")) >= 3 for n in "ab"), timeout=150,
                    what="three outer steps on both peers")
-    # a step's `outer` record is logged before its checkpoint is written (outer.py, _apply_round): wait for
+    # a step's `outer` record is logged before its checkpoint is written (outer.py, Rounds._land_round): wait for
     # the checkpoint of each peer's latest record, the one it is to resume from (a ckpt-*.pt is renamed into
     # place once complete), not for the record (CI saw a SIGKILL between the two: a resume one step behind)
     swarm.wait_for(lambda: all(len(saved_steps(n)) >= 2 and saved_steps(n)[0] >= max_outer(swarm, n) for n in "ab"),

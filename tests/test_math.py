@@ -580,15 +580,17 @@ def test_a_failed_round_counts_the_next_inner_steps_as_an_applied_one(full_group
     from p2pdiloco.averaging import RoundOutcome
     from p2pdiloco.boundary import Boundary
     from p2pdiloco.metrics import Metrics
-    from p2pdiloco.outer import PendingRound, SwarmRounds
+    from p2pdiloco.outer import OuterState, PendingRound, Rounds
+    from p2pdiloco.state import SharedState
     from p2pdiloco.suspects import Suspects
 
-    loop = SwarmRounds()  # the round half of a peer, without the peer: no network is touched here
-    loop.cfg, loop.metrics = Config(full_groups=full_groups), Metrics(None, "a")
-    loop.rounds_failed, loop.outer_step, loop.averager = 0, 3, None
-    loop.suspects = Suspects(ban_time=0.0)
+    outer = OuterState(SharedState(4, shared=False))
+    outer.step = 3
+    # the round driver without the peer's network parts: no network is touched here
+    loop = Rounds(Config(full_groups=full_groups), outer=outer, model=None, numel=4,
+                  boundary=Boundary([torch.zeros(4)], numel=4), metrics=Metrics(None, "a"),
+                  suspects=Suspects(ban_time=0.0))
     loop.inner_step, loop.steps_since_round = 130, 30   # we entered matchmaking at step 100
-    loop.boundary, loop.outer_s = Boundary([torch.zeros(4)], numel=4), 0.0
     future = concurrent.futures.Future()
     future.set_result(RoundOutcome(ok=False, reason="incomplete round: 5888 of 120576 values never came back"))
     pending = PendingRound(future, torch.zeros(4), False, 0, 1.0, 0, start_step=100, formed_at_step=formed_at_step)
@@ -601,29 +603,35 @@ def test_a_round_in_flight_keeps_only_its_pseudo_gradient(eager):
     """The snapshot and the eager base are recomputed from the pseudo-gradient, the anchor and the
     momentum (unchanged while a round is in flight): the local weights land where merge_local (the
     reference) puts them, after an applied round and after a failed one."""
+    from p2pdiloco.boundary import Boundary
+    from p2pdiloco.metrics import Metrics
     from p2pdiloco.model import flat_params, load_flat_
-    from p2pdiloco.outer import PendingRound, SwarmRounds
+    from p2pdiloco.outer import OuterState, PendingRound, Rounds
+    from p2pdiloco.state import SharedState
+    from p2pdiloco.suspects import Suspects
 
     torch.manual_seed(0)
-    loop = SwarmRounds()
-    loop.cfg, loop.model = Config(), torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3))
-    numel = sum(p.numel() for p in loop.model.parameters())
-    loop.anchor, loop.momentum = torch.randn(numel), torch.randn(numel) * 0.1
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3))
+    numel = sum(p.numel() for p in model.parameters())
+    outer = OuterState(SharedState(numel, shared=False))
+    loop = Rounds(Config(), outer=outer, model=model, boundary=Boundary(list(model.parameters()), numel=numel),
+                  numel=numel, metrics=Metrics(None, "a"), suspects=Suspects(ban_time=0.0))
+    outer.anchor, outer.momentum = torch.randn(numel), torch.randn(numel) * 0.1
     snapshot = torch.randn(numel)
-    delta = loop.anchor - snapshot
-    base = diloco.preview_outer_step(loop.anchor, loop.momentum, delta, outer_lr=loop.cfg.outer_lr,
+    delta = outer.anchor - snapshot
+    base = diloco.preview_outer_step(outer.anchor, outer.momentum, delta, outer_lr=loop.cfg.outer_lr,
                                      outer_momentum=loop.cfg.outer_momentum) if eager else snapshot
     local = base + torch.randn(numel) * 0.01  # the steps made while the round ran
     for applied in (True, False):
         load_flat_(loop.model, local)
         pending = PendingRound(None, delta.clone(), eager, 0, 1.0, 0)
         if applied:
-            loop._kept = loop._local_progress(pending, out=pending.delta)
-            new_anchor = loop.anchor + 0.5
-            loop.anchor = new_anchor
+            loop.kept = loop._local_progress(pending, out=pending.delta)
+            new_anchor = outer.anchor + 0.5
+            outer.anchor = new_anchor
             loop._place_progress()
-            assert_close(flat_params(loop.model), diloco.merge_local(new_anchor, local, base), rtol=0, atol=1e-6)
-            loop.anchor = new_anchor - 0.5
+            assert_close(flat_params(model), diloco.merge_local(new_anchor, local, base), rtol=0, atol=1e-6)
+            outer.anchor = new_anchor - 0.5
         else:
             loop._undo_preview(pending)
             assert_close(flat_params(loop.model), diloco.merge_local(snapshot, local, base), rtol=0, atol=1e-6)
