@@ -45,7 +45,10 @@ class RoundReport:
     bytes_recv: int = 0
     rejected: dict = field(default_factory=dict)  # sender peer id -> why its parts were excluded
     merged: bool = False  # a merge round: anchors and outer momenta were averaged too
-    clipped: dict = field(default_factory=dict)  # sender peer id -> mean factor our reducer scaled it by (< 1)
+    clipped: dict = field(default_factory=dict)  # sender peer id -> mean factor our reducer scaled its
+    # pseudo-gradient's deviation by (< 1), over the values it sent us
+    merge_clipped: dict = field(default_factory=dict)  # the same for a merge round's anchor and momentum
+    removed: float = 0.0  # the share of the senders' weight our reducer's clipping took off their pseudo-gradients
     layout: list = field(default_factory=list)   # (values, reducer index) of every part, in the buffer's order
 
 
@@ -158,7 +161,7 @@ class RobustPartReducer(TensorPartReducer):
     def setup(self, policy: ContributionPolicy, segments: int = 0, offsets: Optional[list] = None) -> None:
         self.policy, self.segments, self.offsets = policy, segments, offsets or []
         self.inputs: dict[int, tuple] = {}
-        # per sender and segment (pseudo-gradient, anchor, momentum): (factor, values) of each part
+        # per sender and segment (pseudo-gradient, anchor, momentum): (factor, values, weight) of each part
         self.factors: list[list] = [[[], [], []] for _ in range(self.num_senders)]
 
     def reset_accumulators(self):
@@ -217,18 +220,30 @@ class RobustPartReducer(TensorPartReducer):
         clipped = robust.centered_clip(parts, weights)
         for i, factor, w in zip(senders, clipped.scales, weights.tolist()):
             if w > 0:
-                self.factors[i][segment].append((factor, parts.shape[1]))
+                self.factors[i][segment].append((factor, parts.shape[1], w))
         return clipped.average
 
-    def mean_factors(self) -> dict:
-        """sender index -> its clip factor averaged over the values it sent, in the segment where it was
-        clipped most (a merge round's anchor alone can be off); only senders clipped at all."""
+    def mean_factors(self, segments: tuple = (0,)) -> dict:
+        """sender index -> its clip factor averaged over the values it sent, in the segment (of
+        `segments`) where it was clipped most (a merge round's anchor alone can be off); only senders
+        clipped at all."""
         out = {}
-        for i, segments in enumerate(self.factors):
-            means = [sum(f * n for f, n in factors) / sum(n for _, n in factors) for factors in segments if factors]
+        for i, by_segment in enumerate(self.factors):
+            means = [sum(f * n for f, n, _ in parts) / sum(n for _, n, _ in parts)
+                     for segment, parts in enumerate(by_segment) if parts and segment in segments]
             if means and min(means) < 1.0 - 1e-6:
                 out[i] = min(means)
         return out
+
+    def removed_share(self) -> float:
+        """Of the senders' weight on the pseudo-gradient parts we reduced (weight x values), the share
+        clipping took: sum w n (1 - f) / sum w n. 0 when nobody was clipped (or under the mean)."""
+        total = removed = 0.0
+        for by_segment in self.factors:
+            for f, n, w in by_segment[0]:
+                total += w * n
+                removed += w * n * (1.0 - f)
+        return removed / total if total > 0 else 0.0
 
 
 class _CountingStub:
@@ -507,11 +522,15 @@ class CountingAllReduceRunner(AllReduceRunner):
             problems.append(f"{failed} of {self.tensor_part_container.total_size} values never came back")
         if self.banned_senders:
             problems.append(f"reducer dropped {len(self.banned_senders)} sender(s)")
-        clipped = {}
+        clipped, merge_clipped, removed = {}, {}, 0.0
         if self.robust:
-            clipped = {str(self.sender_peer_ids[i]): f for i, f in self.tensor_part_reducer.mean_factors().items()}
+            reducer = self.tensor_part_reducer
+            clipped = {str(self.sender_peer_ids[i]): f for i, f in reducer.mean_factors((0,)).items()}
+            merge_clipped = {str(self.sender_peer_ids[i]): f for i, f in reducer.mean_factors((1, 2)).items()}
+            removed = reducer.removed_share()
         return RoundReport(group_id=self.group_id.hex(), complete=not problems, reason="; ".join(problems),
                            bytes_sent=self.bytes_sent, bytes_recv=self.bytes_recv, rejected=dict(self.rejected),
-                           merged=bool(self.segments), clipped=clipped, layout=self._layout)
+                           merged=bool(self.segments), clipped=clipped, merge_clipped=merge_clipped,
+                           removed=removed, layout=self._layout)
 
 

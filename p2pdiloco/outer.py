@@ -622,6 +622,11 @@ class Rounds:
                          bytes_sent=report.bytes_sent, bytes_recv=report.bytes_recv, anchor_spread=pending.spread,
                          diverged_members=pending.diverged, merged=outcome.anchor is not None,
                          swarm_size=self.swarm_size, members=[m[-6:] for m in sorted(outcome.members)],
+                         member_tokens=[outcome.members[m].get("tokens") for m in sorted(outcome.members)],
+                         # our reducer's clipping of the members' pseudo-gradients: factors < 1, weight share taken
+                         clipped={m[-6:]: round(f, 3) for m, f in report.clipped.items()},
+                         merge_clipped={m[-6:]: round(f, 3) for m, f in report.merge_clipped.items()},
+                         removed=round(report.removed, 4),
                          grid=list(pending.grid) if pending.grid else None,  # [round, dims, our cell]
                          late=pending.late, lead_steps=self.lead_steps, digest=pending.digest)
         if self.outer.step % self.cfg.checkpoint_every == 0:

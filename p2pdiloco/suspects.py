@@ -2,12 +2,15 @@
 
 After every round that formed, each member judges the others from what it saw itself: a sender
 our reducer excluded (non-finite, over the norm bound) or clipped hard (CenteredClip scaled its
-deviation below robust.HARD_CLIP: more than twice the group's median distance away), or a reducer
-whose part failed the members' check. A peer judged bad in most of its last rounds with us
-(`BAN_BAD` of the last `BAN_WINDOW`) is banned for `ban_time` seconds: our averager refuses its
-join requests and does not ask to join its groups (a local decision, no vote; the others decide
-for themselves). An honest peer far from the others now and then is clipped too, which is why one
-round never bans.
+pseudo-gradient's deviation below robust.HARD_CLIP: more than twice the group's median distance
+away) or, in a merge round, its anchor or momentum clipped hard, or a reducer whose part failed
+the members' check. (An honest minority's anchor in a merge round is clipped to ~0 by design: the
+robust merge takes the anchor most members hold. Not counting that broke the ban of a diverged
+attacker in the suite's byzantine test, so it still counts; docs/security.md.) A peer judged bad in
+most of its last rounds with us (`BAN_BAD` of the last `BAN_WINDOW`) is banned for `ban_time`
+seconds: our averager refuses its join requests and does not ask to join its groups (a local
+decision, no vote; the others decide for themselves). An honest peer far from the others now and
+then is clipped too, which is why one round never bans.
 
     >>> suspects = Suspects(ban_time=600.0)
     >>> suspects.judge(outcome, metrics, averager)   # after every round, applied or not
@@ -47,6 +50,10 @@ class Suspects:
             if factor < robust.HARD_CLIP:
                 metrics.log("bad_contribution", sender=peer, outer_step=outer_step,
                             reason=f"clipped to {factor:.2f} of its distance from the group's robust average")
+        for peer, factor in report.merge_clipped.items():
+            if factor < robust.HARD_CLIP:
+                metrics.log("bad_contribution", sender=peer, outer_step=outer_step,
+                            reason=f"its anchor or momentum clipped to {factor:.2f} (a merge round)")
         if outcome.check is not None:
             metrics.log("reducer_check", outer_step=outer_step, **outcome.check)
         bad_reducers = set(outcome.check["bad"]) if outcome.check else set()
@@ -57,7 +64,7 @@ class Suspects:
             reasons = []
             if peer in report.rejected:
                 reasons.append("excluded")
-            if report.clipped.get(peer, 1.0) < robust.HARD_CLIP:
+            if min(report.clipped.get(peer, 1.0), report.merge_clipped.get(peer, 1.0)) < robust.HARD_CLIP:
                 reasons.append("clipped hard")
             if peer in bad_reducers:
                 reasons.append("its reducer failed the check")

@@ -618,11 +618,24 @@ def defence(records: dict, attackers: set) -> dict:
     rule does not log count 0."""
     events = [r for recs in records.values() for r in recs]
     clipped = [r for r in events if r["event"] == "bad_contribution" and str(r.get("reason", "")).startswith("clipped")]
+    anchors = [r for r in events if r["event"] == "bad_contribution"
+               and str(r.get("reason", "")).startswith("its anchor or momentum clipped")]
     banned = [r for r in events if r["event"] == "banned"]
     checked = [r for r in events if r["event"] == "reducer_check" and attackers & set(r.get("members") or ())]
     caught = sum(bool(attackers & set(r.get("bad") or ())) for r in checked)
+    # per applied round at each honest peer's reducer: the share of the honest senders' pseudo-gradients that
+    # clipping took (1 - factor, averaged over the honest members of the group)
+    short = {a[-6:] for a in attackers}
+    taken = []
+    for r in events:
+        if r["event"] == "outer" and isinstance(r.get("clipped"), dict) and r.get("members"):
+            honest = [m for m in r["members"] if m not in short]
+            taken.append(sum(1.0 - r["clipped"].get(m, 1.0) for m in honest) / max(1, len(honest)))
     return {"clipped_attacker": sum(r.get("sender") in attackers for r in clipped),
             "clipped_honest": sum(r.get("sender") not in attackers for r in clipped),
+            "anchor_clipped_honest": sum(r.get("sender") not in attackers for r in anchors),
+            "honest_clip_share": {"mean": sum(taken) / len(taken), **quantiles(taken), "max": max(taken),
+                                  "rounds": len(taken)} if taken else None,
             "banned_attacker": sum(r.get("sender") in attackers for r in banned),
             "banned_honest": sum(r.get("sender") not in attackers for r in banned),
             "reducer_check": {"rounds": len(checked), "caught": caught,

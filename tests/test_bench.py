@@ -192,7 +192,7 @@ def test_byzantine_study_runs_at_quick_size(tmp_path, corpus):
         if run["attack"] != "clean":
             assert run["outsiders"]["c"]["peer_id"], name
         assert set(run["defence"]) == {"clipped_attacker", "clipped_honest", "banned_attacker", "banned_honest",
-                                      "reducer_check"}, name
+                                      "reducer_check", "anchor_clipped_honest", "honest_clip_share"}, name
         if run["attack"] == "clean":  # unpaced, 2 rounds: the first outer step's overshoot may still show
             assert math.isfinite(run["final_eval"]) and math.isfinite(run["ratio"]) and run["round_s"] > 0, name
     assert runs["clean_mean"]["ratio"] == 1.0

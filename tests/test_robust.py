@@ -145,6 +145,22 @@ def test_a_peer_clipped_hard_in_most_of_its_rounds_is_banned_and_the_ban_ends():
     assert averager.banned == []
 
 
+def test_a_merge_rounds_anchor_clipped_hard_is_logged_apart_and_still_counts():
+    """A merge round's anchor and momentum clipping is reported apart from the pseudo-gradient's (an
+    honest minority lineage is clipped to ~0 there by design, docs/security.md), and still counts
+    toward a ban: a diverged attacker's anchor was banned that way in the suite's byzantine test."""
+    log = Log()
+    suspects = Suspects(ban_time=60.0, peer_id="me")
+    for _ in range(BAN_WINDOW):
+        report = RoundReport(group_id="g", complete=True, merged=True, merge_clipped={"z": 0.0, "y": 0.9},
+                             clipped={"x": 0.1})
+        suspects.judge(RoundOutcome(ok=True, members={m: {} for m in ("me", "x", "y", "z")}, report=report), log)
+    assert sorted(f["sender"] for e, f in log.events if e == "banned") == ["x", "z"]
+    reasons = {f["sender"]: f["reason"] for e, f in log.events if e == "bad_contribution"}
+    assert reasons["z"].startswith("its anchor or momentum clipped") and reasons["x"].startswith("clipped")
+    assert "y" not in reasons
+
+
 def test_status_lists_the_peers_that_live_peers_banned():
     from p2pdiloco.status import clean_record, format_table
 
