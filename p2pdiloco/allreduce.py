@@ -15,8 +15,10 @@ contribution cannot spoil it (averaging.py runs the rounds and collects the verd
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
@@ -160,6 +162,7 @@ class RobustPartReducer(TensorPartReducer):
 
     def setup(self, policy: ContributionPolicy, segments: int = 0, offsets: Optional[list] = None) -> None:
         self.policy, self.segments, self.offsets = policy, segments, offsets or []
+        self._aggregating = False  # a part's aggregation runs in the worker thread
         self.inputs: dict[int, tuple] = {}
         # per sender and segment (pseudo-gradient, anchor, momentum): (factor, values, weight) of each part
         self.factors: list[list] = [[[], [], []] for _ in range(self.num_senders)]
@@ -187,20 +190,38 @@ class RobustPartReducer(TensorPartReducer):
         return await future
 
     def check_current_part_finished(self):
-        if self.current_part_accumulated_from == self.num_current_senders:
-            self.current_part_future.set_result(self._aggregate())
-            self.reset_accumulators()
+        """Every sender's part is in: aggregate it in our worker thread (CenteredClip of a part takes tens of
+        ms, and at 85M seconds a round, which on the event loop held up the other parts' streams, the other
+        members' requests and the DHT); its senders get the average, and the next part opens, when it is done.
+        Senders wait for that anyway: each sends its next part after the reply to this one."""
+        if self._aggregating or self.current_part_accumulated_from != self.num_current_senders:
+            return
+        self._aggregating = True
+        index, inputs, future = self.current_part_index, self.inputs, self.current_part_future
+        work = asyncio.get_event_loop().run_in_executor(_aggregator(), self._aggregate, index, inputs)
+        work.add_done_callback(lambda done: self._part_done(future, done))
 
-    def _aggregate(self) -> torch.Tensor:
-        shape = self.part_shapes[self.current_part_index]
-        senders = sorted(self.inputs)
+    def _part_done(self, future: asyncio.Future, done: asyncio.Future) -> None:
+        self._aggregating = False
+        if self.finished.is_set() or future.done():  # the round ended (finalized, cancelled) meanwhile
+            return
+        if done.cancelled() or done.exception() is not None:
+            future.set_exception(done.exception() if not done.cancelled() else asyncio.CancelledError())
+            self.finalize()
+            return
+        future.set_result(done.result())
+        self.reset_accumulators()
+
+    def _aggregate(self, index: int, inputs: dict) -> torch.Tensor:
+        shape = self.part_shapes[index]
+        senders = sorted(inputs)
         if not senders:
             return torch.zeros(shape)
-        parts = torch.stack([self.inputs[i][0].reshape(-1).float() for i in senders])
-        weights = torch.tensor([self.inputs[i][1] for i in senders])
+        parts = torch.stack([inputs[i][0].reshape(-1).float() for i in senders])
+        weights = torch.tensor([inputs[i][1] for i in senders])
         if not self.segments:
             return self._clip(senders, parts, weights, 0).reshape(shape)
-        start, n = self.offsets[self.current_part_index], self.segments
+        start, n = self.offsets[index], self.segments
         pieces = []
         for segment in range(3):
             lo, hi = max(start, segment * n) - start, min(start + parts.shape[1], (segment + 1) * n) - start
@@ -244,6 +265,30 @@ class RobustPartReducer(TensorPartReducer):
                 total += w * n
                 removed += w * n * (1.0 - f)
         return removed / total if total > 0 else 0.0
+
+
+_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_pool_lock = threading.Lock()
+
+
+def _aggregator() -> concurrent.futures.ThreadPoolExecutor:
+    """The averager process's thread for robust aggregation, made on first use (in that process: the
+    averager is a child process, and a pool made before it started would not run in it). One thread: a
+    part's CenteredClip already runs on torch's intra-op threads, and groups in flight at once are rare."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="p2pdiloco-aggregate")
+        return _pool
+
+
+def stop_aggregator() -> None:
+    """Stop the aggregation thread (the averager's shutdown); a part still in it is dropped with its round."""
+    global _pool
+    with _pool_lock:
+        if _pool is not None:
+            _pool.shutdown(wait=False, cancel_futures=True)
+            _pool = None
 
 
 class _CountingStub:

@@ -51,7 +51,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2pdiloco import diloco, robust
-from p2pdiloco.allreduce import ContributionPolicy, CountingAllReduceRunner, RoundReport
+from p2pdiloco.allreduce import ContributionPolicy, CountingAllReduceRunner, RoundReport, stop_aggregator
 from p2pdiloco.check import RoundCheck
 from p2pdiloco.compression import BlockwiseQuantization, bytes_per_value, make_codec
 from p2pdiloco.data.fetch import ShardCache, ShardSharing
@@ -256,6 +256,7 @@ class DilocoAverager(StateSharing, ShardSharing, hivemind.DecentralizedAverager)
                 group.result().finalize(cancel=True)
             else:
                 group.cancel()
+        stop_aggregator()
 
     @property
     def staging(self) -> torch.Tensor:

@@ -226,7 +226,8 @@ class Rounds:
         self.steps_since_round = 0
         self.tokens_since_anchor = 0  # tokens behind the current pseudo-gradient
         self.swarm_outer_step = outer.step
-        self.swarm_size = 1  # live peers, by their progress records
+        self.swarm_size = 1  # live peers we can group with, by their progress records (_count_swarm)
+        self.live_peers: set[str] = set()  # the others with a progress record, banned or not
         self.due_steps = cfg.inner_steps  # inner steps per contribution (dynamic_inner_steps scales them)
         self.lead_steps, self.lead_s, self.last_wait_s = 0, 0.0, None  # matchmaking_lead
         # eager outer updates need training while a round runs (not synchronous DiLoCo)
@@ -406,9 +407,19 @@ class Rounds:
             return
         self._note_progress(records)
 
+    def _count_swarm(self) -> None:
+        """The live peers we can group with: those with a progress record, ourselves, none we banned."""
+        self.swarm_size = len((self.live_peers - self.suspects.banned()) | {self.peer_id})
+
     def _note_progress(self, records: dict) -> None:
+        # a peer we banned is not part of our swarm: it cannot join our groups, so counting it would make every
+        # group wait out the matchmaking window for it and never count as whole, and its record must not set
+        # our phase, our grid cell or the outer step we resync to (docs/security.md, "After a ban")
+        records = {peer: record for peer, record in records.items() if not record.get("left")}  # stopped
+        self.live_peers = set(records)  # records expire; a peer that stopped cleanly said so
+        records = {peer: record for peer, record in records.items() if peer not in self.suspects.banned()}
         self.swarm_outer_step = max([self.outer.step, *(r.get("outer_step", 0) for r in records.values())])
-        self.swarm_size = len(set(records) | {self.peer_id})  # live peers: records expire
+        self._count_swarm()
         if self.clock is not None:
             self.clock.observe(records)
         if self.clock is not None and not self.clock.in_phase and self.clock.adopt(records, now=time.time()):
@@ -587,6 +598,7 @@ class Rounds:
                 self.clock.after_no_group()
         # bad_contribution and reducer_check events; a peer that keeps attacking is banned (suspects.py)
         self.suspects.judge(outcome, self.metrics, self.averager, outer_step=self.outer.step)
+        self._count_swarm()  # a ban takes effect in the next round's group size, not at the next read of the records
         if not outcome.ok:
             self._count_from_formation(pending)
             self.metrics.log("round_failed", reason=outcome.reason, outer_step=self.outer.step,

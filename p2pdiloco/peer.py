@@ -551,6 +551,8 @@ class Peer:
             self.feed.close()
         if self.leader:
             self.rounds.finish(wait=not self.stop_event.is_set())
+            if self.records is not None:  # the others stop counting us at their next read
+                self.records.leave(self._progress_record(0.0))
         self.timer.drain(wait=True)
         extra = {}
         if self.ranks:  # one last copy of the leader's weights, then check that every rank holds them

@@ -50,6 +50,11 @@ class SwarmRecords:
             self._record = record
             self._lock.notify()
 
+    def leave(self, record: dict) -> None:
+        """Our last records, saying that we stop (swarm.publish_leaving), in the caller's thread: up to 2 s."""
+        self.close()
+        swarm.publish_leaving(self.dht, self.cfg, record, every=swarm.progress_read_every(self.cfg, self.swarm_size()))
+
     def ask_read(self) -> None:
         with self._lock:
             self._read_asked = True

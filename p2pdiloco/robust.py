@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -145,12 +146,46 @@ def _batcher_pairs(size: int) -> tuple:
     return tuple(pairs)
 
 
-def directions(seed: bytes, length: int, count: int = PROJECTIONS) -> torch.Tensor:
-    """`count` random unit vectors of `length` values, the same on every member for the same seed."""
+@dataclass
+class Directions:
+    """`count` random directions over `length` values, each the Kronecker product a_i (x) b_i of two
+    Gaussian vectors of about sqrt(length) values (unit norm each, the product trimmed to length).
+    Drawing two full Gaussian vectors per part cost more than the rest of the check: 177M normals a
+    round at 88.6M parameters, ~1 s of one idle core (scripts/robust_cost.py), several under load.
+    a (x) b needs 2 sqrt(length) of them, and <x, a (x) b> = a^T X b (X: x as a p x q matrix) is one
+    pass over x. For any error e != 0, a^T E b is a nonzero polynomial in Gaussians, so a lie that
+    the reducer fixed before the directions were drawn projects to zero with probability 0, as with
+    dense Gaussian directions (its density near 0 is a little higher: a product of two normals for a
+    rank-1 error); Rademacher signs, as cheap, would let a lie of two opposite values pass half the
+    time. Such directions are the rows of a Khatri-Rao random projection (arXiv 2507.23207; tensorized
+    random projections, Rakhshan and Rabusseau, arXiv 2110.13970)."""
+
+    a: torch.Tensor  # count x p
+    b: torch.Tensor  # count x q, p * q >= length
+    length: int
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """<x, a_i (x) b_i> for every direction i (x: `length` values)."""
+        p, q = self.a.shape[1], self.b.shape[1]
+        x = x.reshape(-1).float()
+        if x.numel() != p * q:
+            x = torch.nn.functional.pad(x, (0, p * q - x.numel()))
+        return ((x.view(p, q) @ self.b.t()).t() * self.a).sum(1)
+
+    def dense(self) -> torch.Tensor:
+        """The directions as count x length vectors (tests)."""
+        count = self.a.shape[0]
+        return (self.a[:, :, None] * self.b[:, None, :]).reshape(count, -1)[:, :self.length]
+
+
+def directions(seed: bytes, length: int, count: int = PROJECTIONS) -> Directions:
+    """`count` random directions over `length` values, the same on every member for the same seed."""
     generator = torch.Generator().manual_seed(int.from_bytes(hashlib.blake2b(seed, digest_size=8).digest(), "big")
                                               >> 1)
-    z = torch.randn(count, length, generator=generator)
-    return z / z.norm(dim=1, keepdim=True)
+    q = max(1, math.isqrt(max(0, length - 1)) + 1)  # ceil(sqrt(length))
+    p = max(1, -(-length // q))
+    a, b = torch.randn(count, p, generator=generator), torch.randn(count, q, generator=generator)
+    return Directions(a / a.norm(dim=1, keepdim=True), b / b.norm(dim=1, keepdim=True), length)
 
 
 def check_seed(group_id: str, part: int, nonces: dict, reducer: str) -> bytes:
@@ -162,13 +197,13 @@ def check_seed(group_id: str, part: int, nonces: dict, reducer: str) -> bytes:
 
 
 def fixed_point_terms(own: torch.Tensor, average: torch.Tensor, weight: float, tau: float,
-                      z: torch.Tensor) -> list:
+                      z: Directions) -> list:
     """This member's term of the fixed-point condition, projected on each direction in z:
     w * <g - v, z> * min(1, tau / |g - v|). tau = inf checks a plain weighted mean."""
     diff = own.float() - average.float()
     dist = float(diff.norm())
     factor = 1.0 if dist <= tau else tau / dist
-    return (z @ diff * (weight * factor)).tolist()
+    return (z.project(diff) * (weight * factor)).tolist()
 
 
 def check_floor(average: torch.Tensor, total_weight: float) -> float:

@@ -148,6 +148,9 @@ def read_swarm(dht, run_id: str, secret: str = "", *, timeout: float = 10.0) -> 
         details = parse_progress(_get(dht, f"{prefix}_status", timeout))
         for peer, record in parse_progress(_get(dht, f"{prefix}_progress", timeout)).items():
             record = clean_record({**details.get(peer, {}), **record})
+            if record is not None and record.get("left") is True:  # it stopped cleanly: not a live peer
+                peers.pop(peer, None)
+                continue
             if record is not None and (peer not in peers or record["time"] > peers[peer]["time"]):
                 peers[peer] = {"peer": peer, "fingerprint": fp, **record}
     return [peers[p] for p in sorted(peers)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -156,7 +157,7 @@ LEGACY_DHT = set(filter(None, os.environ.get("P2PDILOCO_LEGACY_DHT", "").split("
 # status record under its own key, stored every STATUS_EVERY seconds and read by `status`, `monitor`,
 # the claims' first epoch and a restarting DHT only (docs/scale.md, "One compact record per peer").
 PROGRESS_FIELDS = ("outer_step", "inner_step", "tokens_per_s", "time", "due", "period", "round", "dims", "speed",
-                   "cell", "loss", "eval_loss", "group_size", "rounds_applied", "rounds_failed")
+                   "cell", "loss", "eval_loss", "group_size", "rounds_applied", "rounds_failed", "left")
 STATUS_EVERY = 30.0
 
 
@@ -174,9 +175,27 @@ def publish_status(dht: hivemind.DHT, cfg, record: dict, every: float) -> None:
         _store_record(dht, f"{cfg.dht_prefix}_status", record, every)
 
 
-def _store_record(dht: hivemind.DHT, key: str, record: dict, every: float) -> None:
-    dht.store(key, subkey=str(dht.peer_id), value=record, expiration_time=get_dht_time() + max(15.0, 3 * every),
-              return_future=True)
+def _store_record(dht: hivemind.DHT, key: str, record: dict, every: float):
+    return dht.store(key, subkey=str(dht.peer_id), value=record,
+                     expiration_time=get_dht_time() + max(15.0, 3 * every), return_future=True)
+
+
+def publish_leaving(dht: hivemind.DHT, cfg, record: dict, every: float, timeout: float = 2.0) -> None:
+    """A peer that stops says so in its records ("left": true), so that the others stop counting it at
+    their next read instead of when its record expires (up to 3 log intervals of groups that wait out
+    the window for it). Waits up to `timeout` for the stores."""
+    record = {**record, "left": True}
+    legacy = "records" in LEGACY_DHT  # the progress record holds it all
+    progress = record if legacy else {k: record[k] for k in PROGRESS_FIELDS if k in record}
+    futures = [_store_record(dht, f"{cfg.dht_prefix}_progress", progress, every)]
+    if not legacy:
+        futures.append(_store_record(dht, f"{cfg.dht_prefix}_status", record, max(every, STATUS_EVERY)))
+    deadline = time.monotonic() + timeout
+    for future in futures:
+        try:
+            future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except Exception as e:  # the others then drop us when the record expires, as after a crash
+            logger.debug(f"could not publish that we leave: {e!r}")
 
 
 PROGRESS_READ_PEERS = 8  # up to this many peers, each reads the progress records every log interval

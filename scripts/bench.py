@@ -32,6 +32,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import shutil
 import signal
 import statistics
@@ -86,8 +87,8 @@ SIZES = {
     "quick": Size(peers=2, steps=60, duration=14.0, eval_batches=2, parallel=8, inner_steps=15, overhead_factor=1,
                   pace=3.0, sweep_grid=((0.5, 0.9),), long_h=False, byzantine_peers=3, byzantine_steps=20,
                   byzantine_inner_steps=10,
-                  byzantine_runs=(("clean", "mean"), ("clean", "centered_clip"), ("signflip:5", "mean"),
-                                  ("signflip:5", "centered_clip"), ("lie:4", "centered_clip"))),
+                  byzantine_runs=(("clean", "mean"), ("clean", "centered_clip"), ("control", "centered_clip"),
+                                  ("signflip:5", "mean"), ("signflip:5", "centered_clip"), ("lie:4", "centered_clip"))),
     # issue 21: 8 peers on the same 2 cores; half the default steps per peer, so the swarm's tokens are the default
     # size's x 1 (4 x 1500 = 8 x 750), 15 outer steps at H=50
     "eight": Size(peers=8, steps=750, duration=150.0, eval_batches=16, parallel=1, inner_steps=50),
@@ -135,6 +136,21 @@ BYZANTINE_RUNS = (*[(attack, rule) for attack in ("clean", *ATTACKS) for rule in
                   ("lie:4", "centered_clip"), ("lie:4", "mean"))
 # `bench.py byzantine_collude`: two attackers that send the same; the reference: every peer honest, under the mean
 COLLUSION_RUNS = (("clean", "mean"), ("alie:1", "centered_clip"), ("signflip:5", "centered_clip"))
+CLEAN = ("clean", "control")  # every peer honest; "control": without the attacker's peer (byzantine's reference)
+
+
+def outlier_corpus(out: Path, size: int = 2_000_000) -> Path:
+    """Text unlike the default corpus, for `byzantine`'s honest outlier: Python's own standard library
+    (its .py files in a fixed order, up to `size` bytes), written once into out/."""
+    path = out / "outlier.txt"
+    if not path.exists():
+        text, stdlib = [], Path(os.__file__).parent
+        for source in sorted(stdlib.glob("*.py")):
+            text.append(source.read_text(errors="replace"))
+            if sum(map(len, text)) >= size:
+                break
+        path.write_text("".join(text)[:size])
+    return path
 
 
 def byzantine_name(attack: str, rule: str) -> str:
@@ -435,14 +451,22 @@ class Bench:
         steps = self.size.byzantine_steps
         base = {**crowd.common(steps), "max_inner_steps": steps, "target_group_size": n, **self.extra}
         attackers = tuple(range(n - colluders, n))
+        # "control": the honest peers alone (N - colluders clean peers, the same inner steps each), the reference of
+        # an attacked swarm's final eval: what the honest peers reach without the attacker's rounds or its tokens
+        control = Bench(self.out, replace(crowd.size, peers=n - colluders), seed=self.seed, data=self.data)
         cells = COLLUSION_RUNS if colluders > 1 else self.size.byzantine_runs or BYZANTINE_RUNS
-        jobs = [(crowd.attempt, dict(
+        # "outlier": the last peer is honest but trains on other text (a persistent honest outlier): a ban of it is
+        # a false ban; it stays out of the summary like an attacker (its eval is on its own data)
+        other = outlier_corpus(self.out) if any(attack == "outlier" for attack, _ in cells) else None
+        jobs = [((control if attack == "control" else crowd).attempt, dict(
             name=byzantine_name(attack, rule) + (f"_x{colluders}" if colluders > 1 else ""),
-            overrides={**base, **RULES[rule]},
-            per_peer_env={} if attack == "clean" else {i: {"P2PDILOCO_TEST_ATTACK": attack} for i in attackers},
-            outsiders=() if attack == "clean" else attackers)) for attack, rule in cells]
+            overrides={**base, **RULES[rule], **({"target_group_size": n - colluders} if attack == "control" else {})},
+            per_peer={i: {"data": str(other)} for i in attackers} if attack == "outlier" else None,
+            per_peer_env={} if attack in (*CLEAN, "outlier")
+            else {i: {"P2PDILOCO_TEST_ATTACK": attack} for i in attackers},
+            outsiders=() if attack in CLEAN else attackers)) for attack, rule in cells]
         by_cell = {(attack, rule): {**run, "attack": attack, "rule": rule,
-                                    "colluders": 0 if attack == "clean" else colluders}
+                                    "colluders": 0 if attack in CLEAN else colluders}
                    for (attack, rule), run in zip(cells, crowd.many(jobs))}
         return byzantine_result(by_cell, colluders, n)
 
@@ -596,7 +620,9 @@ def summarize_swarm(name: str, records: dict, before, after, slowdowns: dict) ->
            "compute_utilization": statistics.mean(p["compute_s"] / p["wall_s"] for p in peers.values()),
            "curve": curve, "eval_curve_losses": [c[2] for c in curve], "peers": peers,
            "msg_sent_per_step": sum(p["msg_bytes_sent"] for p in peers.values()) / steps,
-           "round_s": statistics.mean(round_s) if round_s else None}
+           "round_s": statistics.mean(round_s) if round_s else None,
+           "round_s_median": statistics.median(round_s) if round_s else None,
+           "rounds_per_min": 60 * len(round_s) / len(records) / (end - start) if round_s else None}
     applied = sum(p["outer_steps_applied"] for p in peers.values())
     out.update(full_group_fraction=sum(p["full_rounds"] for p in peers.values()) / max(1, applied),
                resyncs=sum(p["resyncs"] for p in peers.values()), merges=sum(p["merges"] for p in peers.values()),
@@ -631,7 +657,17 @@ def defence(records: dict, attackers: set) -> dict:
         if r["event"] == "outer" and isinstance(r.get("clipped"), dict) and r.get("members"):
             honest = [m for m in r["members"] if m not in short]
             taken.append(sum(1.0 - r["clipped"].get(m, 1.0) for m in honest) / max(1, len(honest)))
+    # the honest peers' rounds before the first ban of an attacker and after the last one (every honest peer
+    # banned it by then): median round time and the share that held every honest peer
+    bans = [r["time"] for r in banned if r.get("sender") in attackers]
+    outer = [r for r in events if r["event"] == "outer" and r.get("round_s")]
+    phases = {"during": [r for r in outer if bans and r["time"] < min(bans)],
+              "after_ban": [r for r in outer if bans and r["time"] > max(bans)]}
+    rounds = {phase: {"median_s": statistics.median(r["round_s"] for r in recs),
+                      "whole": sum(r["group_size"] >= len(records) for r in recs) / len(recs), "rounds": len(recs)}
+              for phase, recs in phases.items() if recs}
     return {"clipped_attacker": sum(r.get("sender") in attackers for r in clipped),
+            "rounds": rounds,
             "clipped_honest": sum(r.get("sender") not in attackers for r in clipped),
             "anchor_clipped_honest": sum(r.get("sender") not in attackers for r in anchors),
             "honest_clip_share": {"mean": sum(taken) / len(taken), **quantiles(taken), "max": max(taken),
@@ -650,6 +686,15 @@ def loss_ratio(run: dict, ref: dict | None):
     return loss / ref["settled_eval"] if loss is not None and math.isfinite(loss) else math.inf
 
 
+def final_ratio(run: dict, ref: dict):
+    """run's final eval loss (the model each honest peer keeps, their mean) over ref's; inf if run diverged,
+    None if either failed."""
+    if "error" in run or "error" in ref or not ref.get("final_eval"):
+        return None
+    loss = run["final_eval"]
+    return loss / ref["final_eval"] if loss is not None and math.isfinite(loss) else math.inf
+
+
 def settled_eval(outer: list, peers: int) -> float:
     """A peer's eval loss at its last outer step whose group held a majority of the swarm's peers (inf if
     it diverged). What comes after is the end of a run: groups of 2 or 3 that form once the others have
@@ -663,18 +708,23 @@ def byzantine_result(by_cell: dict, colluders: int, peers: int) -> dict:
     """`bench.py byzantine`'s figures from its runs ((attack, rule) -> summary): each run's settled eval over
     the clean swarm's under the mean, and the issue's targets."""
     ref = by_cell.get(("clean", "mean"))
-    for run in by_cell.values():
+    for (attack, rule), run in by_cell.items():
         run["ratio"] = loss_ratio(run, ref)
+        control = by_cell.get(("control", rule))
+        if control is not None and attack not in CLEAN:  # the model the honest peers keep, against their swarm alone
+            run["final_vs_control"] = final_ratio(run, control)
     runs = {run["name"]: run for run in by_cell.values()}
 
     def check(what: str, value, op: str, target: float) -> dict:
         met = None if value is None else (value <= target if op == "<=" else value >= target)
         return {"what": what, "value": value, "target": f"{op} {target:g}", "met": met}
 
-    checks = []
+    checks = [check(f"{attack} ({rule}): the honest peers' final eval / their clean swarm's alone (control)",
+                    r["final_vs_control"], "<=", 1.03)
+              for (attack, rule), r in by_cell.items() if "final_vs_control" in r]
     if colluders > 1:
         checks += [check(f"{attack} by {colluders} colluders, centered_clip: settled eval / clean mean's",
-                         r["ratio"], "<=", 1.05) for (attack, rule), r in by_cell.items() if attack != "clean"]
+                         r["ratio"], "<=", 1.05) for (attack, rule), r in by_cell.items() if attack not in CLEAN]
         return {"runs": runs, "checks": checks, "colluders": colluders, "peers": peers}
     mean_runs = [by_cell[a, "mean"]["ratio"] for a in ATTACKS if (a, "mean") in by_cell]
     if mean_runs:
@@ -682,7 +732,7 @@ def byzantine_result(by_cell: dict, colluders: int, peers: int) -> dict:
         checks.append(check(f"mean: attacks that degrade it >= 1.1x (of {len(mean_runs)})", degraded, ">=",
                             min(3, len(mean_runs))))
     checks += [check(f"centered_clip under {attack}: settled eval / clean mean's", r["ratio"], "<=", 1.02)
-               for (attack, rule), r in by_cell.items() if rule == "centered_clip" and attack != "clean"]
+               for (attack, rule), r in by_cell.items() if rule == "centered_clip" and attack not in CLEAN]
     ref = by_cell.get(("clean", "mean"))
     for rule in ("centered_clip", "centered_clip_unchecked"):
         clean = by_cell.get(("clean", rule))

@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# the quick byzantine study (3 peers, 20 steps): the honest peers' final eval under signflip:5 over their clean
+# control's was 0.99 and 1.06 under centered_clip, 1.50 and 1.25 under the mean (two local runs)
+CONTROL_BOUND = 1.35
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from netns import available  # noqa: E402
@@ -181,24 +184,30 @@ def test_byzantine_study_runs_at_quick_size(tmp_path, corpus):
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     study = json.loads((out / "results.json").read_text())["by_seed"]["0"]["byzantine"]
     runs = study["runs"]
-    assert set(runs) == {"clean_mean", "clean_centered_clip", "signflip5_mean", "signflip5_centered_clip",
-                         "lie4_centered_clip"}
+    assert set(runs) == {"clean_mean", "clean_centered_clip", "control_centered_clip", "signflip5_mean",
+                         "signflip5_centered_clip", "lie4_centered_clip"}
     assert study["peers"] == 3
     for name, run in runs.items():
         assert "error" not in run, run.get("error")
-        assert run["colluders"] == (0 if run["attack"] == "clean" else 1), name
-        # the attacker (peer c) is out of the summary; its peer id is known, so its groups can be told
+        assert run["colluders"] == (0 if run["attack"] in ("clean", "control") else 1), name
+        # the attacker (peer c) is out of the summary; its peer id is known, so its groups can be told. The
+        # control is the honest peers alone: a and b, no c
         assert set(run["peers"]) == ({"a", "b", "c"} if run["attack"] == "clean" else {"a", "b"}), name
-        if run["attack"] != "clean":
+        if run["attack"] not in ("clean", "control"):
             assert run["outsiders"]["c"]["peer_id"], name
         assert set(run["defence"]) == {"clipped_attacker", "clipped_honest", "banned_attacker", "banned_honest",
-                                      "reducer_check", "anchor_clipped_honest", "honest_clip_share"}, name
+                                      "reducer_check", "anchor_clipped_honest", "honest_clip_share", "rounds"}, name
         if run["attack"] == "clean":  # unpaced, 2 rounds: the first outer step's overshoot may still show
             assert math.isfinite(run["final_eval"]) and math.isfinite(run["ratio"]) and run["round_s"] > 0, name
     assert runs["clean_mean"]["ratio"] == 1.0
     checks = {c["what"]: c for c in study["checks"]}
     assert "clean centered_clip: round time / clean mean's" in checks
     assert any(what.startswith("lie:4") for what in checks)
+    # the attacked swarm ran to its end: the honest peers' final eval against their clean swarm alone
+    control = checks["signflip:5 (centered_clip): the honest peers' final eval / their clean swarm's alone (control)"]
+    assert control["value"] == pytest.approx(runs["signflip5_centered_clip"]["final_eval"]
+                                             / runs["control_centered_clip"]["final_eval"])
+    assert control["value"] < CONTROL_BOUND, control
     md = (out / "results.md").read_text()
     assert "### byzantine (1 attacker(s) of 3 peers" in md and "FAILED" not in md
     assert (out / "byzantine-seed0.png").stat().st_size > 10_000

@@ -598,6 +598,41 @@ def test_a_failed_round_counts_the_next_inner_steps_as_an_applied_one(full_group
     assert loop.steps_since_round == expected and loop.rounds_failed == 1
 
 
+def test_a_banned_peer_or_one_that_left_is_not_part_of_our_swarm():
+    """A peer that stopped cleanly said so in its last record; a peer we banned cannot join our groups:
+    counting it would make every group wait out the window for it and never count as whole, and its
+    record must not set the outer step we resync to (an attacker's claim) or our phase. The ban takes
+    effect in the group size at once, not at the next read."""
+    import time
+
+    from p2pdiloco.boundary import Boundary
+    from p2pdiloco.metrics import Metrics
+    from p2pdiloco.outer import OuterState, Rounds
+    from p2pdiloco.schedule import Clock
+    from p2pdiloco.state import SharedState
+    from p2pdiloco.suspects import Suspects
+
+    suspects = Suspects(ban_time=600.0, peer_id="a")
+    loop = Rounds(Config(), outer=OuterState(SharedState(4, shared=False)), model=None, numel=4,
+                  boundary=Boundary([torch.zeros(4)], numel=4), metrics=Metrics(None, "a"), suspects=suspects,
+                  peer_id="a")
+    loop.clock = Clock(inner_steps=50, now=time.time(), inner_step=0)
+    now = time.time()
+    # "0x" (the attacker) sorts first: on a tie of two phases, its phase would win
+    honest = {p: {"outer_step": 7, "due": now + 5.0, "period": 10.0} for p in ("a", "b")}
+    records = {**honest, "0x": {"outer_step": 40, "due": now + 1.0, "period": 10.0}}
+    loop._note_progress(records)
+    assert loop.swarm_size == 3 and loop.swarm_outer_step == 40
+    suspects.banned_until["0x"] = time.monotonic() + 600.0
+    loop._count_swarm()  # what landing the round that banned it does
+    assert loop.swarm_size == 2
+    loop.clock.in_phase = False  # out of phase (a partial group): the next read takes the swarm's
+    loop._note_progress({**records, "0y": {"outer_step": 7, "due": now + 1.0, "period": 10.0},
+                         "0z": {"outer_step": 9, "due": now + 1.0, "period": 10.0, "left": True}})
+    assert loop.swarm_size == 3 and loop.swarm_outer_step == 7  # 0z stopped cleanly: not counted either
+    assert abs(loop.clock.due - (now + 5.0)) < 1e-6  # the honest peers' phase, not the banned peer's and y's
+
+
 @pytest.mark.parametrize("eager", [True, False])
 def test_a_round_in_flight_keeps_only_its_pseudo_gradient(eager):
     """The snapshot and the eager base are recomputed from the pseudo-gradient, the anchor and the

@@ -146,7 +146,8 @@ def test_records_checked_and_history_bounded():
     status = {"P1": {**good, "time": now - 9, "outer_step": 2}, "P5": {**good, "time": now - 9}}
     data = {"p2pdiloco_tiny_configs": {"P1": "fp1", "P2": "fp1", "P3": "fp2", "P5": "fp1"},
             "p2pdiloco_tiny_fp1_progress": {"P1": {k: good[k] for k in PROGRESS_FIELDS if k in good},
-                                            "P2": {"outer_step": "7", "time": now, "maddrs": "x"}},
+                                            "P2": {"outer_step": "7", "time": now, "maddrs": "x"},
+                                            "P4": {**good, "left": True}},  # stopped cleanly: not listed
             "p2pdiloco_tiny_fp1_status": status,
             "p2pdiloco_tiny_fp2_progress": {"P3": {"outer_step": 9}},  # no time: dropped
             "p2pdiloco_tiny_fp1_data_e1": claims}

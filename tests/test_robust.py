@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 
+import pytest
 import torch
 
 from p2pdiloco import robust
@@ -103,8 +104,23 @@ def test_check_directions_do_not_depend_on_the_reducers_nonce():
     assert seed != robust.check_seed("g", 0, {**nonces, "a": 99}, "r")
     assert seed != robust.check_seed("g", 1, nonces, "r")
     z = robust.directions(seed, 100)
-    torch.testing.assert_close(z.norm(dim=1), torch.ones(robust.PROJECTIONS))
-    assert torch.equal(z, robust.directions(seed, 100))
+    torch.testing.assert_close(z.dense().norm(dim=1), torch.ones(robust.PROJECTIONS))
+    assert torch.equal(z.dense(), robust.directions(seed, 100).dense())
+    assert not torch.equal(z.dense(), robust.directions(robust.check_seed("g", 1, nonces, "r"), 100).dense())
+
+
+@pytest.mark.parametrize("length", [1, 7, 100, 1000, 262_143])
+def test_check_directions_project_as_their_dense_vectors(length):
+    """<x, a (x) b> computed as a^T X b (one pass over x, of any length: padded to p x q) is the dot product
+    with the dense direction; a lie of two opposite values (which random signs miss half the time) always
+    projects to a nonzero number."""
+    z = robust.directions(b"group/0/nonces", length)
+    x = torch.randn(length, generator=torch.Generator().manual_seed(length))
+    torch.testing.assert_close(z.project(x), z.dense() @ x, rtol=1e-4, atol=1e-5)
+    if length >= 2:
+        lie = torch.zeros(length)
+        lie[0], lie[-1] = 1.0, -1.0
+        assert bool((z.project(lie).abs() > 1e-6).all())
 
 
 class Log:
