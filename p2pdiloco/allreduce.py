@@ -205,8 +205,12 @@ class RobustPartReducer(TensorPartReducer):
         self._aggregating = False
         if self.finished.is_set() or future.done():  # the round ended (finalized, cancelled) meanwhile
             return
-        if done.cancelled() or done.exception() is not None:
-            future.set_exception(done.exception() if not done.cancelled() else asyncio.CancelledError())
+        if done.cancelled():  # the aggregation thread stopped (the averager's shutdown)
+            future.cancel()
+            self.finalize()
+            return
+        if done.exception() is not None:
+            future.set_exception(done.exception())
             self.finalize()
             return
         future.set_result(done.result())

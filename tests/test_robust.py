@@ -186,3 +186,51 @@ def test_status_lists_the_peers_that_live_peers_banned():
     text = format_table(records, "run", now=2.0)
     assert "suspect x: banned by 2 of 3 peer(s) (clipped hard)" in text
     assert "suspect y: banned by 1 of 3 peer(s) (excluded)" in text
+
+
+def test_the_robust_reducer_aggregates_off_the_event_loop():
+    """A part's CenteredClip runs in the averager's aggregation thread: the event loop keeps serving (here a
+    ticker) while it runs, every sender gets the robust average, the next part opens after it, and an
+    aggregation that fails fails its senders' parts instead of hanging them."""
+    import asyncio
+
+    from hivemind.averaging.partition import TensorPartReducer
+
+    from p2pdiloco.allreduce import RobustPartReducer, stop_aggregator
+
+    async def main():
+        reducer = TensorPartReducer([torch.Size([6]), torch.Size([6])], num_senders=3)
+        reducer.__class__ = RobustPartReducer
+        reducer.setup(None)
+        aggregate, ticks = reducer._aggregate, []
+
+        def slow(index, inputs):
+            time.sleep(0.3)  # holds the GIL only in short slices: the loop must keep ticking
+            return aggregate(index, inputs)
+
+        async def ticker():
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.01)
+
+        reducer._aggregate = slow
+        parts = torch.randn(2, 3, 6, generator=torch.Generator().manual_seed(0))
+        tick = asyncio.create_task(ticker())
+        try:
+            t0 = time.monotonic()
+            first = await asyncio.gather(*[reducer.accumulate_part(i, 0, parts[0, i]) for i in range(3)])
+            assert sum(t0 < t < time.monotonic() for t in ticks) >= 10
+            for average in first:
+                torch.testing.assert_close(average, robust.centered_clip(parts[0], torch.ones(3)).average)
+            assert reducer.current_part_index == 1
+            reducer._aggregate = lambda index, inputs: 1 / 0
+            with pytest.raises(ZeroDivisionError):
+                await asyncio.gather(*[reducer.accumulate_part(i, 1, parts[1, i]) for i in range(3)])
+            assert reducer.finished.is_set()
+        finally:
+            tick.cancel()
+
+    try:
+        asyncio.run(main())
+    finally:
+        stop_aggregator()
