@@ -54,12 +54,21 @@ def test_two_llama_peers_average_and_loss_falls(tmp_path, corpus):
         losses = [r["eval_loss"] for r in evaluated(outer)]
         return len(outer) >= 2 and bool(losses) and losses[-1] < RANDOM_INIT_LOSS - 1.0
 
+    def evals_at_shared_steps() -> dict[int, list[float]]:
+        """Eval losses at the outer steps both peers evaluated (b joins later, so its first evals
+        can fall on steps a evaluated before b's outer events began)."""
+        by_step: dict[int, list[float]] = {}
+        for name in "ab":
+            for r in evaluated(swarm.events(name, "outer")):
+                by_step.setdefault(r["outer_step"], []).append(r["eval_loss"])
+        return {k: v for k, v in by_step.items() if len(v) == 2}
+
     with LocalSwarm(tmp_path, config=LLAMA, extra_args=["--data", str(corpus), "--inner-steps", "30"],
                     env=OFFLINE) as swarm:
         swarm.start("a")
         swarm.start("b", join="a")
-        swarm.wait_for(lambda: all(trained(n) for n in "ab"), timeout=150,
-                       what="2 outer steps and an eval loss 1 below random init on both peers")
+        swarm.wait_for(lambda: all(trained(n) for n in "ab") and len(evals_at_shared_steps()) >= 2, timeout=150,
+                       what="2 outer steps, an eval loss 1 below random init on both peers, evals at 2 shared steps")
         for name in "ab":
             outer = swarm.events(name, "outer")
             assert all(r["group_size"] == 2 for r in outer), outer
@@ -68,12 +77,8 @@ def test_two_llama_peers_average_and_loss_falls(tmp_path, corpus):
         inner_a = swarm.events("a", "inner")  # a started the swarm from the seeded init
         assert inner_a[-1]["loss"] < inner_a[0]["loss"] - 0.5, (inner_a[0]["loss"], inner_a[-1]["loss"])
         # both peers apply the same rounds to the same anchor: equal eval losses at equal outer steps
-        by_step: dict[int, list[float]] = {}
-        for name in "ab":
-            for r in evaluated(swarm.events(name, "outer")):
-                by_step.setdefault(r["outer_step"], []).append(r["eval_loss"])
-        shared = {k: v for k, v in by_step.items() if len(v) == 2}
-        assert len(shared) >= 2, by_step
+        shared = evals_at_shared_steps()
+        assert len(shared) >= 2, shared
         for step, losses in shared.items():
             assert abs(losses[0] - losses[1]) < 0.02, (step, losses)
         resolved = json.loads((tmp_path / "a" / "config.json").read_text())
