@@ -52,6 +52,8 @@ class RoundReport:
     merge_clipped: dict = field(default_factory=dict)  # the same for a merge round's anchor and momentum
     removed: float = 0.0  # the share of the senders' weight our reducer's clipping took off their pseudo-gradients
     layout: list = field(default_factory=list)   # (values, reducer index) of every part, in the buffer's order
+    lost: list = field(default_factory=list)  # members that dropped out: senders our reducer dropped, reducers
+    # whose parts never came back (peer ids); the schedule stops counting them until they publish again
 
 
 @dataclass
@@ -316,6 +318,11 @@ class InPlaceParts(TensorPartContainer):
 
     alpha = 1.0  # deltas (return_deltas) are added with this weight; averages are copied
 
+    def register_failed_reducer(self, peer_index: int):
+        """hivemind's, remembering which reducer failed (RoundReport.lost)."""
+        self.__dict__.setdefault("failed_reducers", set()).add(peer_index)
+        super().register_failed_reducer(peer_index)
+
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor):
         if self.finished.is_set():  # finalized (the round failed): the places are no longer ours
             return
@@ -577,9 +584,12 @@ class CountingAllReduceRunner(AllReduceRunner):
             clipped = {str(self.sender_peer_ids[i]): f for i, f in reducer.mean_factors((0,)).items()}
             merge_clipped = {str(self.sender_peer_ids[i]): f for i, f in reducer.mean_factors((1, 2)).items()}
             removed = reducer.removed_share()
+        lost = {str(p) for p in self.banned_senders}
+        lost |= {str(self.ordered_peer_ids[i]) for i in self.tensor_part_container.__dict__.get("failed_reducers", ())}
+        lost.discard(str(self.peer_id))
         return RoundReport(group_id=self.group_id.hex(), complete=not problems, reason="; ".join(problems),
                            bytes_sent=self.bytes_sent, bytes_recv=self.bytes_recv, rejected=dict(self.rejected),
                            merged=bool(self.segments), clipped=clipped, merge_clipped=merge_clipped,
-                           removed=removed, layout=self._layout)
+                           removed=removed, layout=self._layout, lost=sorted(lost))
 
 

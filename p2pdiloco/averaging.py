@@ -167,6 +167,13 @@ class RoundOutcome:
     anchor: Optional[torch.Tensor] = None    # a merge round: the members' merged anchor ...
     momentum: Optional[torch.Tensor] = None  # ... and outer momentum, before this round's outer step
     check: Optional[dict] = None             # the reducer check: ok, bad (reducer peer ids), members, stat, check_s
+    lost: list = field(default_factory=list)  # members that vanished mid-round (RoundReport.lost, or no record came)
+
+
+class Missing(str):
+    """Why a gather of the members' records failed, and whose records never came (`peers`)."""
+
+    peers: tuple = ()
 
 
 class DilocoAverager(StateSharing, ShardSharing, hivemind.DecentralizedAverager):
@@ -505,9 +512,12 @@ class RoundRunner:
                                        merge_size=n if merging is not None else 0, me=self.peer_id,
                                        members=list(members))
             evidence = check.evidence(verdict is True) if check is not None else {}
-            all_ok, why, records = self._agree(report.group_id, list(members), verdict, evidence, check is not None)
+            all_ok, why, records = self._agree(report.group_id, list(members), verdict, evidence, check is not None,
+                                               lost=report.lost if not report.complete else ())
+            outcome.lost = list(getattr(why, "peers", ()))
             if all_ok and check is not None:
                 outcome.check = self._check(check, records)
+                outcome.lost = list(outcome.check.get("missing_peers", ()))
                 if not outcome.check["ok"]:
                     why = outcome.check.get("missing") or (
                         f"reducer(s) {', '.join(p[-6:] for p in outcome.check['bad'])} failed the check "
@@ -515,6 +525,7 @@ class RoundRunner:
                     all_ok = False
             if not report.complete:
                 outcome.reason = f"incomplete round: {report.reason}"
+                outcome.lost = sorted(set(outcome.lost) | set(report.lost))
             elif own_bad:
                 note = policy.notes.get(mine, "excluded")
                 outcome.reason = f"our own contribution was rejected ({note}): not applying"
@@ -528,13 +539,16 @@ class RoundRunner:
         return outcome
 
     def _agree(self, group_id: str, members: list[str], verdict, evidence: dict,
-               checking: bool) -> tuple[bool, str, dict]:
+               checking: bool, lost: list = ()) -> tuple[bool, str, dict]:
         """Publish my verdict for this group (True, False or ABSTAIN; with `checking`, in a record with
-        my evidence for the reducer check) and wait for all members' verdicts: the round applies only
-        if none says False and none is missing. Returns (ok, why, every member's record)."""
+        my evidence for the reducer check; with the members that vanished from my part of the round,
+        `lost`) and wait for all members' verdicts: the round applies only if none says False and none
+        is missing. Returns (ok, why, every member's record)."""
         key = f"{self.cfg.dht_prefix}_verdict_{group_id}"
         value = {"verdict": verdict, **evidence} if checking else verdict
         if verdict is not True:
+            if lost:  # the others' parts of the round may have been complete: they learn who vanished here
+                value = {**(value if isinstance(value, dict) else {"verdict": verdict}), "lost": list(lost)}
             self._store(key, value)
             return False, "this member's part was incomplete", {}
         found = self._gather(key, value, members, done=lambda v: _verdict(v) is True or _verdict(v) == ABSTAIN,
@@ -550,7 +564,7 @@ class RoundRunner:
                              check.checkers(), done=check.well_formed, failed=lambda v: False)
         if isinstance(found, str):
             result = {"ok": False, "bad": [], "members": check.members, "stat": 0.0,
-                      "missing": found.replace("verdict", "check terms")}
+                      "missing": found.replace("verdict", "check terms"), "missing_peers": getattr(found, "peers", ())}
         else:
             result = check.verdict(found)
         return {**result, "check_s": time.monotonic() - t0}
@@ -574,15 +588,22 @@ class RoundRunner:
             found = self.dht.get(key, latest=True)
             if found is not None and isinstance(found.value, dict):
                 seen = {str(k): v.value for k, v in found.value.items()}
-            bad = [k[-6:] for k, v in seen.items() if failed(v)]
+            bad = [k for k, v in seen.items() if failed(v)]
             if bad:
-                return f"member(s) {', '.join(bad)} reported an incomplete round"
+                why = Missing(f"member(s) {', '.join(k[-6:] for k in bad)} reported an incomplete round")
+                # who vanished from their parts of the round, as they saw it (members of this group only)
+                claims = [seen[k].get("lost") if isinstance(seen[k], dict) else None for k in bad]
+                why.peers = tuple(sorted({p for c in claims if isinstance(c, (list, tuple)) for p in c
+                                          if isinstance(p, str) and p in members}))
+                return why
             if all(m in seen and done(seen[m]) for m in members):
                 return seen
             time.sleep(delay)
             delay = min(0.25, delay * 1.5)
-        missing = [m[-6:] for m in members if m not in seen]
-        return f"no verdict within {self.cfg.verdict_timeout}s from member(s) {', '.join(missing)}"
+        why = Missing(f"no verdict within {self.cfg.verdict_timeout}s from member(s) "
+                      f"{', '.join(m[-6:] for m in members if m not in seen)}")
+        why.peers = tuple(m for m in members if m not in seen)
+        return why
 
 
 def _verdict(value):

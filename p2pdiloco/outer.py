@@ -228,6 +228,12 @@ class Rounds:
         self.swarm_outer_step = outer.step
         self.swarm_size = 1  # live peers we can group with, by their progress records (_count_swarm)
         self.live_peers: set[str] = set()  # the others with a progress record, banned or not
+        # members that vanished from one of our rounds (killed, crashed, cut off) -> [the newest `time` of their
+        # progress records by the first read after, whether that read came]: not counted until a newer record
+        # comes (a dead peer's record lives on until it expires, and every group would wait out the matchmaking
+        # window for it). Stamps, not record contents: reads can return an older replica of a record
+        self.gone: dict[str, list] = {}
+        self._stamps: dict[str, float] = {}  # peer -> the newest `time` of its progress records we read
         self.due_steps = cfg.inner_steps  # inner steps per contribution (dynamic_inner_steps scales them)
         self.lead_steps, self.lead_s, self.last_wait_s = 0, 0.0, None  # matchmaking_lead
         # eager outer updates need training while a round runs (not synchronous DiLoCo)
@@ -408,8 +414,31 @@ class Rounds:
         self._note_progress(records)
 
     def _count_swarm(self) -> None:
-        """The live peers we can group with: those with a progress record, ourselves, none we banned."""
-        self.swarm_size = len((self.live_peers - self.suspects.banned()) | {self.peer_id})
+        """The live peers we can group with: those with a progress record, ourselves, none we banned and none
+        that vanished from a round of ours without publishing since."""
+        self.swarm_size = len((self.live_peers - self.suspects.banned() - set(self.gone)) | {self.peer_id})
+
+    def _note_gone(self, peers: list) -> None:
+        """Members that vanished from our round (their parts or their verdict never came)."""
+        for peer in peers:
+            if peer != self.peer_id:
+                self.gone[peer] = [self._stamps.get(peer, -math.inf), False]
+
+    def _forget_returned(self, records: dict) -> None:
+        """A vanished member counts again once it publishes a record newer than any we read before the next
+        read after it vanished (it is alive: a straggler, or a peer cut off for a moment); a dead one stays
+        out until its record expires."""
+        for peer, record in records.items():
+            stamp = record.get("time")
+            if isinstance(stamp, (int, float)) and math.isfinite(stamp):
+                self._stamps[peer] = max(stamp, self._stamps.get(peer, -math.inf))
+        for peer, (newest, settled) in list(self.gone.items()):
+            stamp = self._stamps.get(peer, -math.inf)
+            if peer not in records or (settled and stamp > newest):
+                del self.gone[peer]
+            elif not settled:  # its last record before it vanished may only show now: the baseline
+                self.gone[peer] = [stamp, True]
+        self._stamps = {peer: stamp for peer, stamp in self._stamps.items() if peer in records}
 
     def _note_progress(self, records: dict) -> None:
         # a peer we banned is not part of our swarm: it cannot join our groups, so counting it would make every
@@ -417,6 +446,7 @@ class Rounds:
         # our phase, our grid cell or the outer step we resync to (docs/security.md, "After a ban")
         records = {peer: record for peer, record in records.items() if not record.get("left")}  # stopped
         self.live_peers = set(records)  # records expire; a peer that stopped cleanly said so
+        self._forget_returned(records)
         records = {peer: record for peer, record in records.items() if peer not in self.suspects.banned()}
         self.swarm_outer_step = max([self.outer.step, *(r.get("outer_step", 0) for r in records.values())])
         self._count_swarm()
@@ -598,12 +628,15 @@ class Rounds:
                 self.clock.after_no_group()
         # bad_contribution and reducer_check events; a peer that keeps attacking is banned (suspects.py)
         self.suspects.judge(outcome, self.metrics, self.averager, outer_step=self.outer.step)
-        self._count_swarm()  # a ban takes effect in the next round's group size, not at the next read of the records
+        if not outcome.ok:
+            self._note_gone(outcome.lost)
+        # a ban, or a member that vanished, takes effect in the next round's group size, not at the next read
+        self._count_swarm()
         if not outcome.ok:
             self._count_from_formation(pending)
             self.metrics.log("round_failed", reason=outcome.reason, outer_step=self.outer.step,
                              round_s=outcome.round_s, grid=list(pending.grid) if pending.grid else None,
-                             late=pending.late)
+                             late=pending.late, lost=[p[-6:] for p in outcome.lost])
             self.rounds_failed += 1
             logger.info(f"round discarded: {outcome.reason}")
             return False

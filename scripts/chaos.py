@@ -376,6 +376,61 @@ def _tokens_computed(inc: list[dict]) -> int:
     return total + (last or 0)
 
 
+TAIL_S = 60.0  # the last seconds of a run whose evaluations give tail_eval_loss
+HARD_CLIP = 0.5  # a pseudo-gradient clipped below this factor counts as clipped hard
+
+
+def tail_eval_loss(workdir: Path, names: list[str], t_end: float, window: float = TAIL_S) -> Optional[float]:
+    """The median over `names` of each one's median eval loss in the run's last `window` seconds: the final
+    eval is one anchor, which one partial group's outer step can move by tenths of a nat."""
+    per_peer = []
+    for name in names:
+        path = workdir / name / "metrics.jsonl"
+        records = read_metrics(path) if path.exists() else []
+        evals = [r["eval_loss"] for r in records if r.get("event") == "eval" and _finite(r.get("eval_loss"))
+                 and float(r.get("time") or 0) >= t_end - window]
+        if evals:
+            per_peer.append(statistics.median(evals))
+    return statistics.median(per_peer) if per_peer else None
+
+
+def robust_rule_stats(outer: list[dict], bans: int) -> dict:
+    """What the robust rule did: bans, pseudo-gradients clipped hard (< HARD_CLIP) by a member's reducer,
+    and the share of the senders' weight clipping removed per round (mean, p90)."""
+    removed = sorted(float(r["removed"]) for r in outer if _finite(r.get("removed")))
+    hard = sum(1 for r in outer for f in (r.get("clipped") or {}).values() if _finite(f) and f < HARD_CLIP)
+    return {"bans": bans, "hard_clips": hard,
+            "removed_mean": statistics.mean(removed) if removed else None,
+            "removed_p90": removed[int(0.9 * (len(removed) - 1))] if removed else None}
+
+
+def end_of_run(outer: list[dict], evals: dict[int, float], final: Optional[float]) -> dict:
+    """The final eval against the eval of the last anchor a whole group produced (a group that held every
+    live peer its members counted)."""
+    whole = [int(r["outer_step"]) for r in outer if r.get("swarm_size") and r["group_size"] >= r["swarm_size"]
+             and int(r["outer_step"]) in evals]
+    step = max(whole) if whole else None
+    loss = evals.get(step) if step is not None else None
+    return {"last_whole_outer_step": step, "last_whole_eval_loss": loss,
+            "final_vs_last_whole": final / loss if _finite(final) and _finite(loss) and loss else None}
+
+
+def later_measures(workdir: Path, alive: list[str], t_end: float, final: Optional[float]) -> dict:
+    """The measures added after a run was recorded (tail_eval_loss, end_of_run, robust_rule_stats), from its
+    metrics files: `--reanalyze` adds them to an earlier run's chaos.json."""
+    outer, evals, bans = [], {}, 0
+    for path in sorted(workdir.glob("*/metrics.jsonl")):
+        for r in read_metrics(path):
+            if r.get("event") == "outer":
+                outer.append(r)
+            elif r.get("event") == "banned":
+                bans += 1
+            elif r.get("event") == "eval" and _finite(r.get("eval_loss")):
+                evals.setdefault(int(r.get("outer_step") or 0), float(r["eval_loss"]))
+    return {"tail_eval_loss": tail_eval_loss(workdir, alive, t_end), **end_of_run(outer, evals, final),
+            **robust_rule_stats(outer, bans)}
+
+
 def analyze(record: RunRecord) -> dict:
     workdir = record.workdir
     names = sorted(record.starts, key=lambda n: (len(n), n))
@@ -445,6 +500,8 @@ def analyze(record: RunRecord) -> dict:
         "last_eval_loss": last_eval,
         "eval_loss_finite": bool(last_eval) and all(_finite(v) for v in last_eval.values()),
         "final_eval_loss": statistics.median(live_evals) if live_evals else None,
+        **later_measures(workdir, record.alive_at_end, record.t_end,
+                         statistics.median(live_evals) if live_evals else None),
         "anchor_spread": max(spreads) if spreads else None,
         "tokens_applied": tokens_applied,
         "tokens_computed": tokens_computed,
@@ -489,14 +546,52 @@ def table(stats: dict, baseline: Optional[dict]) -> str:
         ("anchor spread (max, last 20% of rounds)", _fmt(stats["anchor_spread"], ".2e")),
         ("goodput (tokens applied / computed)",
          f"{_fmt(stats['goodput'], '.3f')} ({stats['tokens_applied']} / {stats['tokens_computed']})"),
+        (f"eval loss over the last {TAIL_S:.0f} s (median of the live peers' medians)",
+         _fmt(stats["tail_eval_loss"], ".4f")),
+        ("final eval / the last whole group's anchor (outer step)",
+         f"{_fmt(stats['final_vs_last_whole'], '.3f')} ({stats['last_whole_outer_step']})"),
+        ("bans; pseudo-gradients clipped hard (< 0.5)", f"{stats['bans']}; {stats['hard_clips']}"),
+        ("weight the robust rule removed per round (mean / p90)",
+         f"{_fmt(stats['removed_mean'], '.3f')} / {_fmt(stats['removed_p90'], '.3f')}"),
     ]
     if baseline is not None:
         ratio = stats.get("eval_loss_ratio")
         rows += [("baseline final eval loss (no faults)", _fmt(baseline["final_eval_loss"], ".4f")),
                  ("baseline max outer_step", str(baseline["max_outer_step"])),
-                 ("eval loss ratio chaos / baseline", _fmt(ratio, ".3f"))]
+                 ("eval loss ratio chaos / baseline", _fmt(ratio, ".3f")),
+                 (f"last-{TAIL_S:.0f}-s eval ratio chaos / baseline", _fmt(stats.get("tail_eval_ratio"), ".3f")),
+                 ("baseline bans; hard clips; weight removed per round (mean / p90)",
+                  f"{baseline['bans']}; {baseline['hard_clips']}; {_fmt(baseline['removed_mean'], '.3f')} / "
+                  f"{_fmt(baseline['removed_p90'], '.3f')}")]
     lines = ["| metric | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
     return "\n".join(lines)
+
+
+def _compare(stats: dict, baseline: dict) -> None:
+    """The chaos run's losses over the fault-free run's, into stats."""
+    def ratio(ours, theirs):
+        return ours / theirs if _finite(ours) and _finite(theirs) and theirs else None
+    stats["baseline_final_eval_loss"] = baseline["final_eval_loss"]
+    stats["eval_loss_ratio"] = ratio(stats["final_eval_loss"], baseline["final_eval_loss"])
+    stats["tail_eval_ratio"] = ratio(stats["tail_eval_loss"], baseline["tail_eval_loss"])
+
+
+def reanalyze(workdir: Path) -> int:
+    """Add this version's later_measures to a finished run's chaos.json (and its baseline's), print the table."""
+    try:
+        out = json.loads((workdir / "chaos.json").read_text())
+    except (OSError, ValueError) as e:
+        print(f"chaos: error: no readable chaos.json in {workdir} ({e})", file=sys.stderr)
+        return 2
+    for stats, path in ((out, workdir), (out.get("baseline"), workdir / "baseline")):
+        if stats is not None:
+            stats.update(later_measures(path, stats["peers_alive_at_end"], stats["t_start_unix"] + stats["duration_s"],
+                                        stats["final_eval_loss"]))
+    if out.get("baseline") is not None:
+        _compare(out, out["baseline"])
+    (workdir / "chaos.json").write_text(json.dumps(out, indent=2) + "\n")
+    print(table(out, out.get("baseline")))
+    return 0
 
 
 # ------------------------------------------------------------------------------------- main
@@ -524,12 +619,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--max-stall", type=float, default=60.0, help="longest stall that passes (s)")
     parser.add_argument("--min-outer-steps", type=int, default=3, help="outer step to reach in a run >= 60 s")
     parser.add_argument("--print-every", type=float, default=15.0)
+    parser.add_argument("--reanalyze", action="store_true",
+                        help="run nothing: add this version's measures to WORKDIR/chaos.json and print its table")
     args = parser.parse_args(argv)
     if args.peers < 2:
         parser.error("--peers must be >= 2")
     if args.duration <= 0 or args.fault_every <= 0:
         parser.error("--duration and --fault-every must be positive")
 
+    if args.reanalyze:
+        return reanalyze(Path(args.workdir).resolve())
     signal.signal(signal.SIGTERM, _terminate)
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -558,9 +657,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"chaos: error: {e}", file=sys.stderr, flush=True)
         return 1
     if baseline is not None:
-        ours, theirs = stats["final_eval_loss"], baseline["final_eval_loss"]
-        stats["baseline_final_eval_loss"] = theirs
-        stats["eval_loss_ratio"] = ours / theirs if _finite(ours) and _finite(theirs) and theirs else None
+        _compare(stats, baseline)
     result = checks(stats, duration=args.duration, min_outer=args.min_outer_steps, max_stall=args.max_stall)
     ok = all(passed for passed, _ in result.values())
     out = {"args": {**vars(args), "extra": extra, "peer_flags": flags}, **stats,

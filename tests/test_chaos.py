@@ -128,8 +128,11 @@ def test_sigkill_mid_allreduce_never_applies_partial(swarm):
 
 def test_sigstop_longer_than_allreduce_timeout_then_catch_up_by_merge(swarm):
     start_three(swarm)
-    swarm.signal("c", signal.SIGSTOP)
+    entered = len(swarm.events("c", "allreduce_started"))
+    swarm.wait_for(lambda: len(swarm.events("c", "allreduce_started")) > entered, timeout=30, what="c's next round")
+    swarm.signal("c", signal.SIGSTOP)  # in the middle of a round: its parts or its verdict never come
     t_stop = time.time()
+    c_id = swarm.events("c", "outer")[-1]["peer"][-6:]
     before = {n: max_outer(swarm, n) for n in "ab"}
     try:
         # nobody hangs on the frozen peer: the others keep applying rounds while it is stopped
@@ -139,6 +142,15 @@ def test_sigstop_longer_than_allreduce_timeout_then_catch_up_by_merge(swarm):
     finally:
         swarm.signal("c", signal.SIGCONT)
     t_cont = time.time()
+    # the survivors see c vanish from the round (its parts, its verdict or its check terms never come; or
+    # the other survivor's verdict names it) and stop counting it at once (its record lives 15 s): their
+    # rounds while c is frozen are whole groups of 2, not groups that wait out the window for c
+    lost = {n: [r for r in swarm.events(n, "round_failed") if t_stop < r["time"] < t_cont and c_id in r["lost"]]
+            for n in "ab"}
+    assert all(lost.values()), {n: swarm.events(n, "round_failed")[-3:] for n in "ab"}
+    for n in "ab":
+        frozen = [r for r in swarm.events(n, "outer") if lost[n][0]["time"] < r["time"] < t_cont]
+        assert frozen and all(r["swarm_size"] == 2 for r in frozen), frozen
     # the round c froze in may still complete when it wakes, if every part had reached it (outer step
     # at most before["a"] + 1); c's first round formed after waking is on top of the swarm's state, not
     # its stale anchor: its anchor differs, so the round merges and c takes a's and b's (newer) anchor,

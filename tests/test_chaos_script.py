@@ -35,11 +35,19 @@ def test_chaos_script_small_run(tmp_path):
     assert proc.returncode == 0, out[-4000:]
 
     report = json.loads((workdir / "chaos.json").read_text())
-    for key in ("faults", "rounds_applied", "rounds_failed", "longest_stall_s", "goodput"):
+    for key in ("faults", "rounds_applied", "rounds_failed", "longest_stall_s", "goodput", "tail_eval_loss",
+                "final_vs_last_whole", "hard_clips", "removed_mean"):
         assert key in report, (key, sorted(report))
+    assert report["bans"] == 0, "an honest peer was banned under churn"
     assert report["faults"]["total"] >= 1, report["fault_log"]
     assert sum(report["faults"][k] for k in ("kill", "kill_restart", "join")) == report["faults"]["total"]
     assert report["rounds_applied"] >= 1, out[-4000:]
     assert 0 < report["goodput"] <= 1, report["goodput"]
     assert report["ok"] is True
     assert "| longest stall (s) |" in out
+    # an earlier run's chaos.json gets this version's measures from its metrics files, unchanged
+    again = subprocess.run([sys.executable, str(ROOT / "scripts" / "chaos.py"), "--workdir", str(workdir),
+                            "--reanalyze"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads((workdir / "chaos.json").read_text())["tail_eval_loss"] == report["tail_eval_loss"]
+    assert "| bans; pseudo-gradients clipped hard (< 0.5) |" in again.stdout

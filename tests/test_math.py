@@ -633,6 +633,36 @@ def test_a_banned_peer_or_one_that_left_is_not_part_of_our_swarm():
     assert abs(loop.clock.due - (now + 5.0)) < 1e-6  # the honest peers' phase, not the banned peer's and y's
 
 
+def test_a_member_that_vanished_from_our_round_counts_again_only_once_it_publishes():
+    """A member whose parts or verdict never came (killed mid-round) is left out of the group size at once:
+    its record lives on until it expires, and every group would wait out the matchmaking window for it.
+    A straggler, or a peer cut off for a moment, publishes a newer record and counts again; an older copy
+    of a record (DHT reads can return one) does not bring a dead peer back."""
+    from p2pdiloco.averaging import RoundOutcome
+    from p2pdiloco.boundary import Boundary
+    from p2pdiloco.metrics import Metrics
+    from p2pdiloco.outer import OuterState, PendingRound, Rounds
+    from p2pdiloco.state import SharedState
+    from p2pdiloco.suspects import Suspects
+
+    loop = Rounds(Config(), outer=OuterState(SharedState(4, shared=False)), model=None, numel=4,
+                  boundary=Boundary([torch.zeros(4)], numel=4), metrics=Metrics(None, "a"),
+                  suspects=Suspects(ban_time=600.0, peer_id="a"), peer_id="a")
+    records = {p: {"outer_step": 7, "time": 100.0} for p in "abcd"}
+    loop._note_progress(records)
+    assert loop.swarm_size == 4
+    pending = PendingRound(None, torch.zeros(4), eager=False, tokens=0, weight=1.0, age=0)
+    loop._land_round(pending, RoundOutcome(ok=False, reason="incomplete round", lost=["a", "c", "d"]))
+    assert loop.swarm_size == 2 and set(loop.gone) == {"c", "d"}  # at once; we never count ourselves out
+    loop._note_progress(records)  # the records as they were: c's and d's last ones
+    loop._note_progress({**records, "d": {"outer_step": 7, "time": 98.0}})  # an older replica of d's record
+    assert loop.swarm_size == 2
+    loop._note_progress({**records, "c": {"outer_step": 7, "time": 102.0}})  # c published since: alive
+    assert loop.swarm_size == 3 and set(loop.gone) == {"d"}
+    loop._note_progress({p: r for p, r in records.items() if p != "d"})  # d's record expired
+    assert loop.swarm_size == 3 and not loop.gone
+
+
 @pytest.mark.parametrize("eager", [True, False])
 def test_a_round_in_flight_keeps_only_its_pseudo_gradient(eager):
     """The snapshot and the eager base are recomputed from the pseudo-gradient, the anchor and the
