@@ -584,9 +584,14 @@ def reanalyze(workdir: Path) -> int:
         print(f"chaos: error: no readable chaos.json in {workdir} ({e})", file=sys.stderr)
         return 2
     for stats, path in ((out, workdir), (out.get("baseline"), workdir / "baseline")):
-        if stats is not None:
-            stats.update(later_measures(path, stats["peers_alive_at_end"], stats["t_start_unix"] + stats["duration_s"],
-                                        stats["final_eval_loss"]))
+        if stats is None:
+            continue
+        try:
+            alive, t_end = stats["peers_alive_at_end"], stats["t_start_unix"] + stats["duration_s"]
+        except (KeyError, TypeError) as e:
+            print(f"chaos: error: {path / 'chaos.json'} lacks a run's fields ({e!r})", file=sys.stderr)
+            return 2
+        stats.update(later_measures(path, alive, t_end, stats.get("final_eval_loss")))
     if out.get("baseline") is not None:
         _compare(out, out["baseline"])
     (workdir / "chaos.json").write_text(json.dumps(out, indent=2) + "\n")
