@@ -85,7 +85,7 @@ SIZES = {
     # the suite's size: 4 rounds of H = 15; one sweep cell off the preset (the preset's own cell is the
     # ablation's "all" run)
     "quick": Size(peers=2, steps=60, duration=14.0, eval_batches=2, parallel=8, inner_steps=15, overhead_factor=1,
-                  pace=3.0, sweep_grid=((0.5, 0.9),), long_h=False, byzantine_peers=3, byzantine_steps=20,
+                  pace=3.0, sweep_grid=((0.5, 0.9),), long_h=False, byzantine_peers=3, byzantine_steps=30,
                   byzantine_inner_steps=10,
                   byzantine_runs=(("clean", "mean"), ("clean", "centered_clip"), ("control", "centered_clip"),
                                   ("signflip:5", "mean"), ("signflip:5", "centered_clip"), ("lie:4", "centered_clip"))),
@@ -604,6 +604,7 @@ def summarize_swarm(name: str, records: dict, before, after, slowdowns: dict) ->
                        "merges": sum(bool(r.get("merged")) for r in outer),
                        "full_rounds": sum(r["group_size"] >= r.get("swarm_size", 0) for r in outer),
                        "max_eval_jump_pct": max_eval_jump(outer),
+                       "end_of_run_pct": end_of_run_pct(outer, final_eval, peers=len(records)),
                        "msg_bytes_sent": sum(r["bytes_sent"] for r in outer),
                        "msg_bytes_recv": sum(r["bytes_recv"] for r in outer)}
     start, end = min(p["start"] for p in peers.values()), max(p["end"] for p in peers.values())
@@ -627,6 +628,8 @@ def summarize_swarm(name: str, records: dict, before, after, slowdowns: dict) ->
     out.update(full_group_fraction=sum(p["full_rounds"] for p in peers.values()) / max(1, applied),
                resyncs=sum(p["resyncs"] for p in peers.values()), merges=sum(p["merges"] for p in peers.values()),
                max_eval_jump_pct=max(p["max_eval_jump_pct"] for p in peers.values()),
+               end_of_run_pct=max((p["end_of_run_pct"] for p in peers.values() if p["end_of_run_pct"] is not None),
+                                  default=None),
                anchor_spread=anchor_spread_over_time(records),
                # inner steps behind each applied contribution (the schedule's target: inner_steps, +-10%)
                contribution_steps=quantiles(contributions))
@@ -695,6 +698,16 @@ def final_ratio(run: dict, ref: dict):
     return loss / ref["final_eval"] if loss is not None and math.isfinite(loss) else math.inf
 
 
+def end_of_run_pct(outer: list, final_eval: float, *, peers: int) -> float | None:
+    """How much worse a peer's final anchor is than the last anchor a group of every peer of the run produced
+    (%): what the groups of the end of a run, formed as the others stop, did to the model a user keeps.
+    None without an evaluated whole group."""
+    whole = [r["eval_loss"] for r in outer if r["group_size"] >= peers and r.get("eval_loss") is not None]
+    if not whole or not whole[-1]:
+        return None
+    return 100 * (final_eval / whole[-1] - 1) if math.isfinite(final_eval) else math.inf
+
+
 def settled_eval(outer: list, peers: int) -> float:
     """A peer's eval loss at its last outer step whose group held a majority of the swarm's peers (inf if
     it diverged). What comes after is the end of a run: groups of 2 or 3 that form once the others have
@@ -722,6 +735,8 @@ def byzantine_result(by_cell: dict, colluders: int, peers: int) -> dict:
     checks = [check(f"{attack} ({rule}): the honest peers' final eval / their clean swarm's alone (control)",
                     r["final_vs_control"], "<=", 1.03)
               for (attack, rule), r in by_cell.items() if "final_vs_control" in r]
+    checks += [check(f"{attack} ({rule}): the worst honest final anchor over the last whole group's (%)",
+                     r.get("end_of_run_pct"), "<=", 0.5) for (attack, rule), r in by_cell.items() if "error" not in r]
     if colluders > 1:
         checks += [check(f"{attack} by {colluders} colluders, centered_clip: settled eval / clean mean's",
                          r["ratio"], "<=", 1.05) for (attack, rule), r in by_cell.items() if attack not in CLEAN]

@@ -233,20 +233,20 @@ def byzantine_tables(comp: str, b: dict) -> list[str]:
     attackers = max(r["colluders"] for r in b["runs"].values())
     lines = [f"### {comp} ({attackers} attacker(s) of {b['peers']} peers; settled eval of the honest peers (at "
              "their last round with a majority of the swarm) over the clean swarm's under the mean)", "",
-             "| run | attack | rule | final eval loss | / control's final | settled eval loss | / clean mean | round s "
-             "| clipped: attacker / honest | banned: attacker / honest "
+             "| run | attack | rule | final eval loss | final over the last whole group's, % | / control's final "
+             "| settled eval loss | / clean mean | round s | clipped: attacker / honest | banned: attacker / honest "
              "| reducer checks of its groups that flagged the attacker |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in b["runs"].values():
         if "error" in r:
-            lines.append(f"| {r['name']} | {r['attack']} | {r['rule']} | FAILED: {r['error'][:200]} | | | | | | | |")
+            lines.append(f"| {r['name']} | {r['attack']} | {r['rule']} | FAILED: {r['error'][:200]} | | | | | | | | |")
             continue
         d = r["defence"]
         check = d["reducer_check"]
         caught = f"{check['caught']}/{check['rounds']}" if check["rounds"] else "-"
         lines.append(f"| {r['name']} | {r['attack']} | {r['rule']} | {r['final_eval']:.4f} | "
-                     f"{_num(r.get('final_vs_control'))} | {r.get('settled_eval', math.nan):.4f} | "
-                     f"{_num(r['ratio'])} | "
+                     f"{_num(r.get('end_of_run_pct'))} | {_num(r.get('final_vs_control'))} | "
+                     f"{r.get('settled_eval', math.nan):.4f} | {_num(r['ratio'])} | "
                      f"{_num(r['round_s'])} | {d['clipped_attacker']} / {d['clipped_honest']} | "
                      f"{d['banned_attacker']} / {d['banned_honest']} | {caught} |")
     lines += ["", "| check | value | target | |", "|---|---|---|---|"]

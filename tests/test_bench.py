@@ -170,6 +170,18 @@ def test_rounds_to_full_counts_rounds_after_the_kill_until_one_holds_every_survi
     assert rounds_to_full(records, {"a", "b"}, kill_t=14) == {"a": None, "b": None}
 
 
+def test_end_of_run_compares_the_final_anchor_with_the_last_one_every_peer_averaged_into():
+    from bench import end_of_run_pct
+
+    # the run's 3 peers averaged together until outer step 2 (step 2 not evaluated), then 2 went on
+    outer = [{"group_size": 3, "eval_loss": 2.0}, {"group_size": 3, "eval_loss": None},
+             {"group_size": 2, "eval_loss": 2.5}]
+    assert end_of_run_pct(outer, 2.2, peers=3) == pytest.approx(10.0)
+    assert end_of_run_pct(outer, 1.9, peers=3) == pytest.approx(-5.0)
+    assert end_of_run_pct(outer, math.inf, peers=3) == math.inf   # diverged
+    assert end_of_run_pct(outer[2:], 2.5, peers=3) is None         # never a whole group
+
+
 @pytest.mark.timeout(120)
 def test_byzantine_study_runs_at_quick_size(tmp_path, corpus):
     """bench.py byzantine at its quick size: 3 peers, the last one attacking (P2PDILOCO_TEST_ATTACK, its
@@ -194,14 +206,19 @@ def test_byzantine_study_runs_at_quick_size(tmp_path, corpus):
             assert run["outsiders"]["c"]["peer_id"], name
         assert set(run["defence"]) == {"clipped_attacker", "clipped_honest", "banned_attacker", "banned_honest",
                                       "reducer_check", "anchor_clipped_honest", "honest_clip_share", "rounds"}, name
-        if run["attack"] == "clean":  # unpaced, 2 rounds: the first outer step's overshoot may still show
+        # unpaced, 3 contributions a peer (with 2, one round lost to a matchmaking race under the load of 6
+        # swarms at once left a clean run with no outer step: its settled eval inf); overshoot may still show
+        if run["attack"] == "clean":
             assert math.isfinite(run["final_eval"]) and math.isfinite(run["ratio"]) and run["round_s"] > 0, name
     assert runs["clean_mean"]["ratio"] == 1.0
     checks = {c["what"]: c for c in study["checks"]}
     assert "clean centered_clip: round time / clean mean's" in checks
+    # the end of a run: the worst honest final anchor against the last one a group of every honest peer made
+    end = checks["clean (centered_clip): the worst honest final anchor over the last whole group's (%)"]
+    assert end["value"] == runs["clean_centered_clip"]["end_of_run_pct"]
     assert any(what.startswith("lie:4") for what in checks)
     # the attacked swarm ran to its end: the honest peers' final eval against their clean swarm alone. Only
-    # computed here, not bounded: at this size (2 outer steps) a 3-peer swarm's first outer step can overshoot,
+    # computed here, not bounded: at this size (2-3 outer steps) a 3-peer swarm's first outer step can overshoot,
     # clean or attacked (CI: every 3-peer run ended near 8.5, the 2-peer control at 3.0; locally 4.9 and 3.0)
     control = checks["signflip:5 (centered_clip): the honest peers' final eval / their clean swarm's alone (control)"]
     assert control["value"] == pytest.approx(runs["signflip5_centered_clip"]["final_eval"]
