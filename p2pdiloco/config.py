@@ -101,6 +101,11 @@ class Config:
     outer_lr: float = _f(0.7, "Outer Nesterov learning rate (DiLoCo's 0.7; the tiny preset's 4 peers on a "
                               "schedule measured best at 1.0 with momentum 0.6, docs/benchmarks.md).")
     outer_momentum: float = _f(0.9, "Outer Nesterov momentum.")
+    anchor_average: float = _f(0.1, "The model a peer keeps (its final evaluation, a checkpoint's `average`, "
+                                    "export and sample) is a moving average of its anchors, this weight on each new "
+                                    "one (latest weight averaging); 0 keeps the last anchor itself and no copy. One "
+                                    "outer step moves the anchor's loss by several %, the average far less "
+                                    "(docs/security.md).")
     max_staleness: int = _f(4, "A peer this many outer steps behind the swarm reloads state instead of contributing.")
     group_share: bool = _f(False, "Experimental: scale a group's average by its share of the live swarm (members / "
                                   "live peers), so that several small groups move the anchor as far as one full "
@@ -242,6 +247,7 @@ class Config:
             value = getattr(self, key)
             need(math.isfinite(value) and value >= 0, f"{key} must be >= 0, got {value}")
         need(0 <= self.outer_momentum < 1, f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        need(0 <= self.anchor_average <= 1, f"anchor_average must be in [0, 1], got {self.anchor_average}")
         need(0 <= self.dropout < 1, f"dropout must be in [0, 1), got {self.dropout}")
         need(0 < self.eval_fraction < 0.5, f"eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
         need(self.total_steps > self.warmup_steps,

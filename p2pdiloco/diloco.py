@@ -50,6 +50,17 @@ def group_share(swarm_views: list) -> float:
     return min(1.0, len(views) / views[(len(views) - 1) // 2])
 
 
+def fold_average(average: torch.Tensor, anchor: torch.Tensor, weight: float) -> None:
+    """average += weight * (anchor - average), in place: the model a peer keeps, an exponential moving
+    average of its anchors (weight 1 restarts it from the anchor). One outer step moves the anchor's loss
+    by several % on small groups; averaging the last iterates is the usual answer to a noisy last iterate
+    (latest weight averaging: Kaddour, arXiv 2209.14981; Sanyal et al., arXiv 2306.03241)."""
+    if weight >= 1:
+        average.copy_(anchor)
+    else:
+        average.lerp_(anchor.to(average.device), weight)  # on a GPU: one copy of the anchor there, then freed
+
+
 def merge_local(new_anchor: torch.Tensor, local: torch.Tensor, snapshot: torch.Tensor) -> torch.Tensor:
     """The new local weights: the new anchor plus the progress made since the snapshot."""
     return new_anchor + (local - snapshot)

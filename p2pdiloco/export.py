@@ -3,7 +3,9 @@
     p2pdiloco export --config peers/tiny-cpu.toml --data data/mine --checkpoint-dir ckpt --out model/
 
 It takes the preset and flags the peer trained with (the checkpoint must match their fingerprint)
-and read the anchor of the newest good checkpoint: the swarm's model, not the peer's local weights.
+and read the model the peer keeps from the newest good checkpoint: the average of its last anchors (the
+swarm's model after each outer step, `anchor_average`), or the anchor itself in a checkpoint without one;
+never the peer's local weights.
 
 `export` writes a model directory that transformers loads with `from_pretrained` (safetensors and
 config.json): the built-in GPT is GPT-2's architecture with exact GELU, so it maps one to one onto
@@ -40,8 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="Directory to write the transformers model into.")
 
 
-def load_anchor_model(cfg):
-    """The config's model holding the anchor of the newest usable checkpoint in cfg.checkpoint_dir."""
+def load_kept_model(cfg):
+    """The config's model holding the kept model (the anchors' average, else the anchor) of the newest usable
+    checkpoint in cfg.checkpoint_dir."""
     import torch
 
     from p2pdiloco import checkpoint
@@ -55,8 +58,10 @@ def load_anchor_model(cfg):
     if payload is None:
         raise ExportError(f"no checkpoint in {cfg.checkpoint_dir}")
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg, pretrained=False)  # the anchor replaces every weight
-    load_flat_(model, payload["anchor"].float())
+    model = build_model(cfg, pretrained=False)  # the checkpoint's weights replace every one
+    average, anchor = payload.get("average"), payload["anchor"]
+    usable = isinstance(average, torch.Tensor) and average.numel() == anchor.numel() and bool(average.isfinite().all())
+    load_flat_(model, (average if usable else anchor).float())
     return model.eval(), path, int(payload["outer_step"])
 
 
@@ -101,13 +106,13 @@ def to_gpt2(model, cfg, eot_id: Optional[int]):
 
 
 def export(cfg, out: str | Path, progress=print) -> Path:
-    """Write the newest checkpoint's anchor as a transformers model directory."""
+    """Write the newest checkpoint's kept model as a transformers model directory."""
     try:
         import transformers
     except ImportError:
         raise ExportError("export needs transformers: pip install 'p2pdiloco[hf]'") from None
     transformers.utils.logging.disable_progress_bar()  # its shard-writing bar; our status line is the record
-    model, path, outer_step = load_anchor_model(cfg)
+    model, path, outer_step = load_kept_model(cfg)
     tok, manifest = tokenizer_of(cfg)
     eot = tok.eot_id if manifest is not None else None
     hf = model.lm if cfg.hf_config else to_gpt2(model, cfg, eot)

@@ -13,8 +13,9 @@ Events (the contract documented in the README):
     resume       restarted from a checkpoint: outer_step, inner_step
     data         a range of claimed windows read (prepared tokens): epoch, shard, start, end (cursors)
     checkpoint_failed  a checkpoint write failed (the previous one is kept): reason
-    final        at a clean stop: inner_step, outer_step, eval_loss, eval_bpb, tokens, compute_s, data_s,
-                 outer_s, eval_s, wall_s, final_wait_s
+    final        at a clean stop: inner_step, outer_step, eval_loss, eval_bpb (the anchor), kept_eval_loss,
+                 kept_eval_bpb (the model the peer keeps: its anchors' average, with anchor_average > 0),
+                 tokens, compute_s, data_s, outer_s, eval_s, wall_s, final_wait_s
 
 The inner and outer scalars also go to TensorBoard and W&B when asked for (sinks.py). A sink that
 fails while training logs one warning and is dropped; metrics.jsonl and training go on.

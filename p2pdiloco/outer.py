@@ -170,20 +170,33 @@ class OuterState:
     Anchor and momentum live in shared memory (state.SharedState), which the averager process serves
     to joiners; all three change only inside `updating()` (the round's thread, a resync, a resume),
     which holds `lock` and publishes the new version, so that a download discards what it copied
-    meanwhile. Readers that need them consistent (the evaluator, the checkpoint writer) take `lock`."""
+    meanwhile. Readers that need them consistent (the evaluator, the checkpoint writer) take `lock`.
 
-    def __init__(self, shared: state.SharedState):
+    `average` (with average_weight > 0) is the model the peer keeps: a moving average of its anchors,
+    average += w (anchor - average) after each outer step (diloco.fold_average). A new anchor from
+    elsewhere (the start, a download, a checkpoint) starts it again from that anchor. It lives on the
+    training device (a GPU peer's host memory does not grow; a CPU peer's grows by 4 bytes a parameter)."""
+
+    def __init__(self, shared: state.SharedState, *, average_weight: float = 0.0,
+                 device: torch.device | str = "cpu"):
         self.shared = shared
         self.anchor, self.momentum = shared.anchor, shared.momentum  # changed in place only
         self.step = 0
         self.lock = threading.Lock()
         self.digest_idx = diloco.digest_indices(shared.numel)
+        self.average_weight = average_weight
+        self.average: Optional[torch.Tensor] = (torch.empty(shared.numel, device=device)
+                                                if average_weight > 0 else None)
 
     @contextlib.contextmanager
-    def updating(self):
+    def updating(self, *, stepped: bool = False):
+        """Change anchor, momentum and step. stepped: an outer step moved the anchor (the average takes it
+        in); otherwise the anchor was replaced (the average starts from it)."""
         with self.lock, self.shared.writing():
             yield
             self.shared.publish(self.step, self.digest_idx)
+            if self.average is not None:
+                diloco.fold_average(self.average, self.anchor, self.average_weight if stepped else 1.0)
 
     def load(self, anchor: torch.Tensor, momentum: torch.Tensor, step: int) -> None:
         """Take another state (a download, a checkpoint), copied in place."""
@@ -191,6 +204,10 @@ class OuterState:
             self.anchor.copy_(anchor.reshape(-1))
             self.momentum.copy_(momentum.reshape(-1))
             self.step = int(step)
+
+    def kept(self) -> torch.Tensor:
+        """The model this peer keeps: the anchors' average, or the anchor itself (average_weight 0). Hold `lock`."""
+        return self.anchor if self.average is None else self.average
 
     def digest(self) -> list[float]:
         """A few anchor values at fixed positions: members compare them to tell equal anchors."""
@@ -575,7 +592,7 @@ class Rounds:
                     self._attack_prev = outcome.average.view(-1, self.numel)[:len(members)].sum(0)
                 self.outer.step = max(m["outer_step"] for m in members) + 1
 
-            with self.outer.updating():
+            with self.outer.updating(stepped=True):
                 self.boundary.stage_outer(self.outer.anchor, self.outer.momentum, self.cfg, preview=pending.eager,
                                           own_share=pending.own_share, move=move)
                 pending.digest = self.outer.digest()

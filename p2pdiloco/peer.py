@@ -160,7 +160,8 @@ class Peer:
         if own_model:  # a bad data path is a one-line error before anything starts; read-only pages
             self.data = load_data(cfg, progress=self._progress)  # stay shared with the forked children
         # anchor | momentum in shared memory, before the averager forks: it serves them to joiners
-        self.outer = OuterState(state.SharedState(self.numel, shared=self.leader))
+        self.outer = OuterState(state.SharedState(self.numel, shared=self.leader),
+                                average_weight=cfg.anchor_average if self.leader else 0.0, device=self.device)
         if self.leader:
             self._start_network()
         self._claim_data()
@@ -334,6 +335,11 @@ class Peer:
             if not isinstance(t, torch.Tensor) or t.numel() != numel or not state.all_finite(t):
                 raise checkpoint.CheckpointError(f"checkpoint field {key} is missing, of the wrong size or not finite")
         self.outer.load(payload["anchor"], payload["momentum"], int(payload["outer_step"]))
+        average = payload.get("average")  # absent from older checkpoints: the average starts from the anchor
+        if self.outer.average is not None and isinstance(average, torch.Tensor) and average.numel() == numel \
+                and state.all_finite(average):
+            with self.outer.lock:
+                self.outer.average.copy_(average.reshape(-1))
         self.inner_step = int(payload.get("inner_step", 0))
         if self.claims is not None and isinstance(payload.get("data_order"), dict):
             self.claims.restore(payload["data_order"])
@@ -368,6 +374,8 @@ class Peer:
                     logger.info(f"checkpoint of outer step {outer_step} skipped: the anchor moved meanwhile")
                     return
                 payload.update(anchor=outer.anchor.clone(), momentum=outer.momentum.clone())
+                if outer.average is not None:  # the model a user keeps (export, sample)
+                    payload.update(average=outer.average.to("cpu", copy=True))
             try:
                 checkpoint.save_checkpoint(self.cfg.checkpoint_dir, payload, outer_step=outer_step)
             except OSError as e:  # disk full, dir removed...: keep training, the previous checkpoint stays
@@ -565,6 +573,9 @@ class Peer:
             self.shard_source.announce(set())
         t0 = time.perf_counter()
         eval_loss = self.evaluator.final()
+        if self.outer.average is not None:  # the model a user keeps: the anchors' average
+            kept_eval_loss, _ = self._evaluate_anchor(kept=True)
+            extra.update(kept_eval_loss=kept_eval_loss, kept_eval_bpb=self.bits_per_byte(kept_eval_loss))
         self.eval_s += time.perf_counter() - t0
         split = self.time_split(wall_s)
         self.metrics.log("final", inner_step=self.inner_step, outer_step=self.outer_step, eval_loss=eval_loss,
@@ -638,17 +649,17 @@ class Peer:
                          eval_s=seconds)
 
     @torch.no_grad()
-    def _evaluate_anchor(self) -> tuple[Optional[float], int]:
-        """(Loss of the anchor (the swarm's model) on the held-out batches, or the caller's eval_fn on
-        the anchor; None when there is nothing to evaluate with; the anchor's outer step). Runs beside
-        the training: our own model's evaluation module takes views of the anchor as its parameters
-        (torch.func.functional_call), so on the CPU no copy of the model is made and the state lock is
-        held throughout (the round's thread waits to move the anchor); on a GPU the anchor is copied
-        there under the lock, then evaluated without it."""
+    def _evaluate_anchor(self, *, kept: bool = False) -> tuple[Optional[float], int]:
+        """(Loss of the anchor (the swarm's model), or with kept of the model this peer keeps (the anchors'
+        average), on the held-out batches, or the caller's eval_fn on it; None when there is nothing to
+        evaluate with; the anchor's outer step). Runs beside the training: our own model's evaluation
+        module takes views of the anchor as its parameters (torch.func.functional_call), so on the CPU no
+        copy of the model is made and the state lock is held throughout (the round's thread waits to move
+        the anchor); on a GPU the anchor is copied there under the lock, then evaluated without it."""
         outer = self.outer
         if self.eval_fn is not None:
             with outer.lock:
-                load_flat_(self.eval_model, outer.anchor)
+                load_flat_(self.eval_model, outer.kept() if kept else outer.anchor)
                 outer_step = outer.step
             return float(self.eval_fn(self.eval_model)), outer_step
         if self.eval_set is None:
@@ -656,7 +667,8 @@ class Peer:
         on_cpu = self.device.type == "cpu"
         with outer.lock:
             outer_step = outer.step
-            flat = outer.anchor if on_cpu else outer.anchor.to(self.device)
+            weights = outer.kept() if kept else outer.anchor
+            flat = weights if on_cpu else weights.to(self.device)
             if on_cpu:
                 return self._held_out_loss(flat), outer_step
         return self._held_out_loss(flat), outer_step

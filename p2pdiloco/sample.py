@@ -17,7 +17,7 @@ import argparse
 import sys
 from typing import Optional
 
-from p2pdiloco.export import EXIT_USAGE, add_config_flags, load_anchor_model, run_with_config, tokenizer_of
+from p2pdiloco.export import EXIT_USAGE, add_config_flags, load_kept_model, run_with_config, tokenizer_of
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,7 +87,7 @@ def sample(cfg, args, out=sys.stdout) -> None:
     from p2pdiloco.export import ExportError
 
     if cfg.checkpoint_dir:
-        model, path, outer_step = load_anchor_model(cfg)
+        model, path, outer_step = load_kept_model(cfg)
         where = path.name
     elif cfg.initial_peers:
         model, where, outer_step = load_live_model(cfg)

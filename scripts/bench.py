@@ -594,7 +594,11 @@ def summarize_swarm(name: str, records: dict, before, after, slowdowns: dict) ->
         contributions += [r["tokens"] / tokens_per_step for r in outer if r.get("tokens")]
         # metrics log a non-finite loss as None: a diverged peer's final eval is inf
         final_eval = math.inf if final["eval_loss"] is None else final["eval_loss"]
-        peers[peer] = {"final_eval": final_eval, "tokens": final["tokens"], "inner_step": final["inner_step"],
+        # the model the peer keeps (the anchors' average; the anchor itself with anchor_average = 0)
+        kept_eval = final_eval if "kept_eval_loss" not in final else (
+            math.inf if final["kept_eval_loss"] is None else final["kept_eval_loss"])
+        peers[peer] = {"final_eval": final_eval, "kept_eval": kept_eval, "tokens": final["tokens"],
+                       "inner_step": final["inner_step"],
                        "outer_steps_applied": len(outer), "wall_s": final["wall_s"], "compute_s": final["compute_s"],
                        "data_s": final.get("data_s"), "outer_s": final.get("outer_s"), "eval_s": final.get("eval_s"),
                        "final_wait_s": final.get("final_wait_s", 0.0), "end": final["time"],
@@ -604,7 +608,8 @@ def summarize_swarm(name: str, records: dict, before, after, slowdowns: dict) ->
                        "merges": sum(bool(r.get("merged")) for r in outer),
                        "full_rounds": sum(r["group_size"] >= r.get("swarm_size", 0) for r in outer),
                        "max_eval_jump_pct": max_eval_jump(outer),
-                       "end_of_run_pct": end_of_run_pct(outer, final_eval, peers=len(records)),
+                       "end_of_run_pct": end_of_run_pct(outer, kept_eval, peers=len(records)),
+                       "anchor_end_of_run_pct": end_of_run_pct(outer, final_eval, peers=len(records)),
                        "msg_bytes_sent": sum(r["bytes_sent"] for r in outer),
                        "msg_bytes_recv": sum(r["bytes_recv"] for r in outer)}
     start, end = min(p["start"] for p in peers.values()), max(p["end"] for p in peers.values())
@@ -616,6 +621,7 @@ def summarize_swarm(name: str, records: dict, before, after, slowdowns: dict) ->
     steps = sum(p["inner_step"] for p in peers.values())
     curve = swarm_curve(records, start)
     out = {"name": name, "kind": "p2pdiloco", "final_eval": statistics.mean(p["final_eval"] for p in peers.values()),
+           "kept_eval": statistics.mean(p["kept_eval"] for p in peers.values()),
            "tokens": tokens, "wall_s": end - start, "swarm_tokens_per_s": tokens / (end - start),
            "sum_own_tokens_per_s": sum(p["tokens"] / (p["compute_s"] * slowdowns[k]) for k, p in peers.items()),
            "compute_utilization": statistics.mean(p["compute_s"] / p["wall_s"] for p in peers.values()),
@@ -630,6 +636,8 @@ def summarize_swarm(name: str, records: dict, before, after, slowdowns: dict) ->
                max_eval_jump_pct=max(p["max_eval_jump_pct"] for p in peers.values()),
                end_of_run_pct=max((p["end_of_run_pct"] for p in peers.values() if p["end_of_run_pct"] is not None),
                                   default=None),
+               anchor_end_of_run_pct=max((p["anchor_end_of_run_pct"] for p in peers.values()
+                                          if p["anchor_end_of_run_pct"] is not None), default=None),
                anchor_spread=anchor_spread_over_time(records),
                # inner steps behind each applied contribution (the schedule's target: inner_steps, +-10%)
                contribution_steps=quantiles(contributions))
@@ -690,18 +698,19 @@ def loss_ratio(run: dict, ref: dict | None):
 
 
 def final_ratio(run: dict, ref: dict):
-    """run's final eval loss (the model each honest peer keeps, their mean) over ref's; inf if run diverged,
-    None if either failed."""
-    if "error" in run or "error" in ref or not ref.get("final_eval"):
+    """run's final eval loss of the model each honest peer keeps (the anchors' average), their mean, over
+    ref's; inf if run diverged, None if either failed."""
+    key = "kept_eval" if "kept_eval" in run and "kept_eval" in ref else "final_eval"  # results of older runs
+    if "error" in run or "error" in ref or not ref.get(key):
         return None
-    loss = run["final_eval"]
-    return loss / ref["final_eval"] if loss is not None and math.isfinite(loss) else math.inf
+    loss = run[key]
+    return loss / ref[key] if loss is not None and math.isfinite(loss) else math.inf
 
 
 def end_of_run_pct(outer: list, final_eval: float, *, peers: int) -> float | None:
-    """How much worse a peer's final anchor is than the last anchor a group of every peer of the run produced
-    (%): what the groups of the end of a run, formed as the others stop, did to the model a user keeps.
-    None without an evaluated whole group."""
+    """How much worse a peer's final model (final_eval: its kept model's, or its anchor's) is than the last
+    anchor a group of every peer of the run produced (%): what the groups of the end of a run, formed as the
+    others stop, did to the model a user keeps. None without an evaluated whole group."""
     whole = [r["eval_loss"] for r in outer if r["group_size"] >= peers and r.get("eval_loss") is not None]
     if not whole or not whole[-1]:
         return None
@@ -732,10 +741,11 @@ def byzantine_result(by_cell: dict, colluders: int, peers: int) -> dict:
         met = None if value is None else (value <= target if op == "<=" else value >= target)
         return {"what": what, "value": value, "target": f"{op} {target:g}", "met": met}
 
-    checks = [check(f"{attack} ({rule}): the honest peers' final eval / their clean swarm's alone (control)",
+    checks = [check(f"{attack} ({rule}): the honest peers' kept model / their clean swarm's alone (control), "
+                    "final eval",
                     r["final_vs_control"], "<=", 1.03)
               for (attack, rule), r in by_cell.items() if "final_vs_control" in r]
-    checks += [check(f"{attack} ({rule}): the worst honest final anchor over the last whole group's (%)",
+    checks += [check(f"{attack} ({rule}): the worst honest kept model over the last whole group's anchor (%)",
                      r.get("end_of_run_pct"), "<=", 0.5) for (attack, rule), r in by_cell.items() if "error" not in r]
     if colluders > 1:
         checks += [check(f"{attack} by {colluders} colluders, centered_clip: settled eval / clean mean's",

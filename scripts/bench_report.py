@@ -233,7 +233,8 @@ def byzantine_tables(comp: str, b: dict) -> list[str]:
     attackers = max(r["colluders"] for r in b["runs"].values())
     lines = [f"### {comp} ({attackers} attacker(s) of {b['peers']} peers; settled eval of the honest peers (at "
              "their last round with a majority of the swarm) over the clean swarm's under the mean)", "",
-             "| run | attack | rule | final eval loss | final over the last whole group's, % | / control's final "
+             "| run | attack | rule | final eval loss: anchor / kept model | kept over the last whole group's "
+             "anchor, % | / control's kept "
              "| settled eval loss | / clean mean | round s | clipped: attacker / honest | banned: attacker / honest "
              "| reducer checks of its groups that flagged the attacker |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -244,7 +245,8 @@ def byzantine_tables(comp: str, b: dict) -> list[str]:
         d = r["defence"]
         check = d["reducer_check"]
         caught = f"{check['caught']}/{check['rounds']}" if check["rounds"] else "-"
-        lines.append(f"| {r['name']} | {r['attack']} | {r['rule']} | {r['final_eval']:.4f} | "
+        lines.append(f"| {r['name']} | {r['attack']} | {r['rule']} | {r['final_eval']:.4f} / "
+                     f"{r.get('kept_eval', math.nan):.4f} | "
                      f"{_num(r.get('end_of_run_pct'))} | {_num(r.get('final_vs_control'))} | "
                      f"{r.get('settled_eval', math.nan):.4f} | {_num(r['ratio'])} | "
                      f"{_num(r['round_s'])} | {d['clipped_attacker']} / {d['clipped_honest']} | "

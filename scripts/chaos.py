@@ -404,18 +404,23 @@ def robust_rule_stats(outer: list[dict], bans: int) -> dict:
             "removed_p90": removed[int(0.9 * (len(removed) - 1))] if removed else None}
 
 
-def end_of_run(outer: list[dict], evals: dict[int, float], final: Optional[float]) -> dict:
-    """The final eval against the eval of the last anchor a whole group produced (a group that held every
-    live peer its members counted)."""
+def end_of_run(outer: list[dict], evals: dict[int, float], final: Optional[float],
+               kept: Optional[float] = None) -> dict:
+    """The final eval (of the anchor, and of the model the peers keep: their anchors' average) against the
+    eval of the last anchor a whole group produced (a group that held every live peer its members counted)."""
     whole = [int(r["outer_step"]) for r in outer if r.get("swarm_size") and r["group_size"] >= r["swarm_size"]
              and int(r["outer_step"]) in evals]
     step = max(whole) if whole else None
     loss = evals.get(step) if step is not None else None
-    return {"last_whole_outer_step": step, "last_whole_eval_loss": loss,
-            "final_vs_last_whole": final / loss if _finite(final) and _finite(loss) and loss else None}
+
+    def over(value):
+        return value / loss if _finite(value) and _finite(loss) and loss else None
+    return {"last_whole_outer_step": step, "last_whole_eval_loss": loss, "final_vs_last_whole": over(final),
+            "kept_vs_last_whole": over(kept)}
 
 
-def later_measures(workdir: Path, alive: list[str], t_end: float, final: Optional[float]) -> dict:
+def later_measures(workdir: Path, alive: list[str], t_end: float, final: Optional[float],
+                   kept: Optional[float] = None) -> dict:
     """The measures added after a run was recorded (tail_eval_loss, end_of_run, robust_rule_stats), from its
     metrics files: `--reanalyze` adds them to an earlier run's chaos.json."""
     outer, evals, bans = [], {}, 0
@@ -427,7 +432,7 @@ def later_measures(workdir: Path, alive: list[str], t_end: float, final: Optiona
                 bans += 1
             elif r.get("event") == "eval" and _finite(r.get("eval_loss")):
                 evals.setdefault(int(r.get("outer_step") or 0), float(r["eval_loss"]))
-    return {"tail_eval_loss": tail_eval_loss(workdir, alive, t_end), **end_of_run(outer, evals, final),
+    return {"tail_eval_loss": tail_eval_loss(workdir, alive, t_end), **end_of_run(outer, evals, final, kept),
             **robust_rule_stats(outer, bans)}
 
 
@@ -437,6 +442,7 @@ def analyze(record: RunRecord) -> dict:
     outer_all, failed_all, resyncs, joins = [], [], 0, 0
     tokens_applied = tokens_computed = 0
     last_eval: dict[str, Optional[float]] = {}
+    kept_eval: dict[str, Optional[float]] = {}
     incarnations = {}
     for name in names:
         path = workdir / name / "metrics.jsonl"
@@ -460,6 +466,8 @@ def analyze(record: RunRecord) -> dict:
             # the anchor's evaluations (in the background) and the final one; null means not finite
             if ev in ("eval", "final") and "eval_loss" in r:
                 last_eval[name] = r["eval_loss"]
+            if ev == "final" and "kept_eval_loss" in r:  # the model the peer keeps: its anchors' average
+                kept_eval[name] = r["kept_eval_loss"]
 
     outer_all.sort(key=lambda r: r.get("time") or 0.0)
     times = [float(r["time"]) for r in outer_all if float(r.get("time") or 0.0) <= record.t_end]
@@ -474,6 +482,7 @@ def analyze(record: RunRecord) -> dict:
     spreads = [r["anchor_spread"] for r in tail if _finite(r.get("anchor_spread"))]
     max_outer = max([int(r.get("outer_step") or 0) for r in outer_all] + [record.live_max_outer_step, 0])
     live_evals = [last_eval[n] for n in record.alive_at_end if _finite(last_eval.get(n))]
+    live_kept = [kept_eval[n] for n in record.alive_at_end if _finite(kept_eval.get(n))]
     reasons = Counter(_reason_key(r.get("reason", "")) for r in failed_all)
     faults = Counter(f["kind"] for f in record.faults)
     return {
@@ -500,8 +509,10 @@ def analyze(record: RunRecord) -> dict:
         "last_eval_loss": last_eval,
         "eval_loss_finite": bool(last_eval) and all(_finite(v) for v in last_eval.values()),
         "final_eval_loss": statistics.median(live_evals) if live_evals else None,
+        "kept_eval_loss": statistics.median(live_kept) if live_kept else None,
         **later_measures(workdir, record.alive_at_end, record.t_end,
-                         statistics.median(live_evals) if live_evals else None),
+                         statistics.median(live_evals) if live_evals else None,
+                         statistics.median(live_kept) if live_kept else None),
         "anchor_spread": max(spreads) if spreads else None,
         "tokens_applied": tokens_applied,
         "tokens_computed": tokens_computed,
@@ -550,6 +561,8 @@ def table(stats: dict, baseline: Optional[dict]) -> str:
          _fmt(stats["tail_eval_loss"], ".4f")),
         ("final eval / the last whole group's anchor (outer step)",
          f"{_fmt(stats['final_vs_last_whole'], '.3f')} ({stats['last_whole_outer_step']})"),
+        ("the kept model (anchors' average): final eval (median, live peers); over the last whole group's anchor",
+         f"{_fmt(stats.get('kept_eval_loss'), '.4f')}; {_fmt(stats.get('kept_vs_last_whole'), '.3f')}"),
         ("bans; pseudo-gradients clipped hard (< 0.5)", f"{stats['bans']}; {stats['hard_clips']}"),
         ("weight the robust rule removed per round (mean / p90)",
          f"{_fmt(stats['removed_mean'], '.3f')} / {_fmt(stats['removed_p90'], '.3f')}"),
@@ -560,6 +573,7 @@ def table(stats: dict, baseline: Optional[dict]) -> str:
                  ("baseline max outer_step", str(baseline["max_outer_step"])),
                  ("eval loss ratio chaos / baseline", _fmt(ratio, ".3f")),
                  (f"last-{TAIL_S:.0f}-s eval ratio chaos / baseline", _fmt(stats.get("tail_eval_ratio"), ".3f")),
+                 ("the kept model's final eval ratio chaos / baseline", _fmt(stats.get("kept_eval_ratio"), ".3f")),
                  ("baseline bans; hard clips; weight removed per round (mean / p90)",
                   f"{baseline['bans']}; {baseline['hard_clips']}; {_fmt(baseline['removed_mean'], '.3f')} / "
                   f"{_fmt(baseline['removed_p90'], '.3f')}")]
@@ -574,6 +588,7 @@ def _compare(stats: dict, baseline: dict) -> None:
     stats["baseline_final_eval_loss"] = baseline["final_eval_loss"]
     stats["eval_loss_ratio"] = ratio(stats["final_eval_loss"], baseline["final_eval_loss"])
     stats["tail_eval_ratio"] = ratio(stats["tail_eval_loss"], baseline["tail_eval_loss"])
+    stats["kept_eval_ratio"] = ratio(stats.get("kept_eval_loss"), baseline.get("kept_eval_loss"))
 
 
 def reanalyze(workdir: Path) -> int:
@@ -591,7 +606,7 @@ def reanalyze(workdir: Path) -> int:
         except (KeyError, TypeError) as e:
             print(f"chaos: error: {path / 'chaos.json'} lacks a run's fields ({e!r})", file=sys.stderr)
             return 2
-        stats.update(later_measures(path, alive, t_end, stats.get("final_eval_loss")))
+        stats.update(later_measures(path, alive, t_end, stats.get("final_eval_loss"), stats.get("kept_eval_loss")))
     if out.get("baseline") is not None:
         _compare(out, out["baseline"])
     (workdir / "chaos.json").write_text(json.dumps(out, indent=2) + "\n")

@@ -214,15 +214,16 @@ def test_byzantine_study_runs_at_quick_size(tmp_path, corpus):
     checks = {c["what"]: c for c in study["checks"]}
     assert "clean centered_clip: round time / clean mean's" in checks
     # the end of a run: the worst honest final anchor against the last one a group of every honest peer made
-    end = checks["clean (centered_clip): the worst honest final anchor over the last whole group's (%)"]
+    end = checks["clean (centered_clip): the worst honest kept model over the last whole group's anchor (%)"]
     assert end["value"] == runs["clean_centered_clip"]["end_of_run_pct"]
     assert any(what.startswith("lie:4") for what in checks)
     # the attacked swarm ran to its end: the honest peers' final eval against their clean swarm alone. Only
     # computed here, not bounded: at this size (2-3 outer steps) a 3-peer swarm's first outer step can overshoot,
     # clean or attacked (CI: every 3-peer run ended near 8.5, the 2-peer control at 3.0; locally 4.9 and 3.0)
-    control = checks["signflip:5 (centered_clip): the honest peers' final eval / their clean swarm's alone (control)"]
-    assert control["value"] == pytest.approx(runs["signflip5_centered_clip"]["final_eval"]
-                                             / runs["control_centered_clip"]["final_eval"])
+    control = checks["signflip:5 (centered_clip): the honest peers' kept model / their clean swarm's alone "
+                     "(control), final eval"]
+    assert control["value"] == pytest.approx(runs["signflip5_centered_clip"]["kept_eval"]
+                                             / runs["control_centered_clip"]["kept_eval"])
     md = (out / "results.md").read_text()
     assert "### byzantine (1 attacker(s) of 3 peers" in md and "FAILED" not in md
     assert (out / "byzantine-seed0.png").stat().st_size > 10_000

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -36,8 +37,9 @@ def test_chaos_script_small_run(tmp_path):
 
     report = json.loads((workdir / "chaos.json").read_text())
     for key in ("faults", "rounds_applied", "rounds_failed", "longest_stall_s", "goodput", "tail_eval_loss",
-                "final_vs_last_whole", "hard_clips", "removed_mean"):
+                "final_vs_last_whole", "kept_vs_last_whole", "hard_clips", "removed_mean"):
         assert key in report, (key, sorted(report))
+    assert math.isfinite(report["kept_eval_loss"]), report["kept_eval_loss"]  # the model the live peers keep
     assert report["bans"] == 0, "an honest peer was banned under churn"
     assert report["faults"]["total"] >= 1, report["fault_log"]
     assert sum(report["faults"][k] for k in ("kill", "kill_restart", "join")) == report["faults"]["total"]

@@ -1,20 +1,23 @@
-"""The model out again: `p2pdiloco export` writes a checkpoint's anchor as a transformers model
+"""The model out again: `p2pdiloco export` writes a checkpoint's kept model as a transformers model
 directory that `from_pretrained` loads with the same logits as ours, and `p2pdiloco sample`
 prints continuations; bad input is one line, exit 2."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from p2pdiloco import checkpoint
 from p2pdiloco.config import Config
 from p2pdiloco.data.manifest import read_manifest
 from p2pdiloco.data.prepare import prepare
-from p2pdiloco.export import load_anchor_model
+from p2pdiloco.export import load_kept_model
 from p2pdiloco.localswarm import LocalSwarm
+from p2pdiloco.model import flat_params
 from tests.conftest import ROOT, TINY, make_corpus
 
 pytestmark = pytest.mark.timeout(240)
@@ -55,9 +58,20 @@ def test_export_round_trip_gives_our_logits(trained, tmp_path):
     ids = torch.tensor([tok(text)["input_ids"]])
     assert tok.decode(ids[0]) == text  # the same tokenizer as the shards'
     cfg = Config.from_sources(TINY, {"data": str(root / "tokens"), "checkpoint_dir": str(root / "ckpt")})
-    ours, _, _ = load_anchor_model(cfg)
+    ours, _, _ = load_kept_model(cfg)
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ours.logits(ids), rtol=1e-5, atol=1e-5)
+    # what is exported is the model the peer kept, its anchors' average (here, alone, it applied no outer step:
+    # the average is its anchor), not its last anchor; an unusable average falls back to the anchor
+    payload, _, _ = checkpoint.load_latest(cfg.checkpoint_dir, cfg)
+    torch.testing.assert_close(flat_params(ours), payload["average"])
+    for average, expected in ((payload["anchor"] * 0.5, payload["anchor"] * 0.5),
+                              (torch.full_like(payload["anchor"], math.nan), payload["anchor"])):
+        ckpt = tmp_path / f"ckpt-{len(list(tmp_path.iterdir()))}"
+        checkpoint.save_checkpoint(ckpt, {**payload, "average": average}, outer_step=payload["outer_step"])
+        kept, _, _ = load_kept_model(Config.from_sources(TINY, {"data": str(root / "tokens"),
+                                                                "checkpoint_dir": str(ckpt)}))
+        torch.testing.assert_close(flat_params(kept), expected)
 
 
 def test_export_hf_config_model(tmp_path, corpus):
@@ -72,7 +86,7 @@ def test_export_hf_config_model(tmp_path, corpus):
     assert (tmp_path / "model" / "README.txt").read_text().startswith("Trained by p2pdiloco on bytes")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model", local_files_only=True).eval()
     cfg = Config.from_sources(flags[1], {"data": str(corpus), "checkpoint_dir": str(tmp_path / "ckpt")})
-    ours, _, _ = load_anchor_model(cfg)
+    ours, _, _ = load_kept_model(cfg)
     ids = torch.tensor([list(b"the king speaks")])
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ours.logits(ids), rtol=1e-5, atol=1e-5)

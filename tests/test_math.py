@@ -718,3 +718,30 @@ def test_a_state_header_with_a_malformed_digest_is_not_a_source():
     assert _valid_digest([0.5, -1.0, 0.0], 3)
     for bad in ([0.5, float("nan"), 0.0], [0.5, 1.0], [1, 2, 3], "abc", None, [0.5, "x", 0.0]):
         assert not _valid_digest(bad, 3), bad
+
+
+def test_the_kept_model_averages_the_anchors_of_outer_steps_and_restarts_on_a_new_anchor():
+    """The model a peer keeps: after each outer step average += w (anchor - average), an exponential moving
+    average of the anchors (weights w (1-w)^k on the k-th last); a state taken from elsewhere (the start, a
+    download, a checkpoint) is not an outer step of ours, so the average starts again from it."""
+    from p2pdiloco.outer import OuterState
+    from p2pdiloco.state import SharedState
+
+    outer = OuterState(SharedState(3, shared=False), average_weight=0.25)
+    outer.load(torch.zeros(3), torch.zeros(3), 0)
+    assert_close(outer.kept(), torch.zeros(3))
+    anchors = [torch.full((3,), float(v)) for v in (4.0, 8.0, -2.0)]
+    for i, anchor in enumerate(anchors):
+        with outer.updating(stepped=True):
+            outer.anchor.copy_(anchor)
+            outer.step = i + 1
+    # (1-w)^3 x 0 + w (1-w)^2 x 4 + w (1-w) x 8 - w x 2
+    expected = 0.25 * 0.75 ** 2 * 4 + 0.25 * 0.75 * 8 - 0.25 * 2
+    assert_close(outer.kept(), torch.full((3,), expected))
+    assert_close(outer.anchor, anchors[-1])  # the anchor itself is untouched: the swarm trains on from it
+    outer.load(torch.full((3,), 7.0), torch.zeros(3), 50)  # a download from the swarm: far from our history
+    assert_close(outer.kept(), torch.full((3,), 7.0))
+    plain = OuterState(SharedState(3, shared=False))  # anchor_average 0: no copy, the anchor is the kept model
+    assert plain.average is None and plain.kept() is plain.anchor
+    with pytest.raises(ValueError, match="anchor_average"):
+        Config(anchor_average=1.5)

@@ -97,7 +97,11 @@ def test_sigterm_stops_cleanly(swarm):
     assert code == 0, swarm.stderr("c")
     assert took < 10, took
     assert group_left(pgid) == [], "p2pd or a hivemind child outlived the peer"
-    assert swarm.events("c", "final"), "the last step evaluates"
+    final = swarm.events("c", "final")
+    assert final, "the last step evaluates"
+    # the anchor and the model c keeps (its anchors' average, moved by its 2+ outer steps) are both evaluated
+    assert math.isfinite(final[0]["eval_loss"]) and math.isfinite(final[0]["kept_eval_loss"])
+    assert final[0]["kept_eval_loss"] != final[0]["eval_loss"]
     # the others go on without it
     before = max(outer_steps(swarm, "a"))
     swarm.wait_for(lambda: max(outer_steps(swarm, "a")) >= before + 2, timeout=90, what="a continues")
