@@ -102,9 +102,10 @@ class Config:
                               "schedule measured best at 1.0 with momentum 0.6, docs/benchmarks.md).")
     outer_momentum: float = _f(0.9, "Outer Nesterov momentum.")
     anchor_average: float = _f(0.1, "The model a peer keeps (its final evaluation, a checkpoint's `average`, "
-                                    "export and sample) is a moving average of its anchors, this weight on each new "
-                                    "one (latest weight averaging); 0 keeps the last anchor itself and no copy. One "
-                                    "outer step moves the anchor's loss by several %, the average far less "
+                                    "export and sample) is a moving average of the anchors its outer steps made: "
+                                    "their mean until there are 1/anchor_average of them, then this weight on each "
+                                    "new one (latest weight averaging); 0 keeps the last anchor itself and no copy. "
+                                    "One outer step moves the anchor's loss by several %, the average far less "
                                     "(docs/security.md).")
     max_staleness: int = _f(4, "A peer this many outer steps behind the swarm reloads state instead of contributing.")
     group_share: bool = _f(False, "Experimental: scale a group's average by its share of the live swarm (members / "

@@ -51,8 +51,8 @@ def group_share(swarm_views: list) -> float:
 
 
 def fold_average(average: torch.Tensor, anchor: torch.Tensor, weight: float) -> None:
-    """average += weight * (anchor - average), in place: the model a peer keeps, an exponential moving
-    average of its anchors (weight 1 restarts it from the anchor). One outer step moves the anchor's loss
+    """average += weight * (anchor - average), in place: the model a peer keeps, a moving average of its
+    anchors (weight 1 restarts it from the anchor; OuterState picks the weight). One outer step moves the anchor's loss
     by several % on small groups; averaging the last iterates is the usual answer to a noisy last iterate
     (latest weight averaging: Kaddour, arXiv 2209.14981; Sanyal et al., arXiv 2306.03241)."""
     if weight >= 1:

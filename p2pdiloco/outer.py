@@ -172,10 +172,12 @@ class OuterState:
     which holds `lock` and publishes the new version, so that a download discards what it copied
     meanwhile. Readers that need them consistent (the evaluator, the checkpoint writer) take `lock`.
 
-    `average` (with average_weight > 0) is the model the peer keeps: a moving average of its anchors,
-    average += w (anchor - average) after each outer step (diloco.fold_average). A new anchor from
-    elsewhere (the start, a download, a checkpoint) starts it again from that anchor. It lives on the
-    training device (a GPU peer's host memory does not grow; a CPU peer's grows by 4 bytes a parameter)."""
+    `average` (with average_weight > 0) is the model the peer keeps: a moving average of the anchors its
+    outer steps made, average += max(w, 1/n) (anchor - average) at the n-th (diloco.fold_average): their
+    mean until there are 1/w of them, then an exponential moving average, so that a short run's average
+    does not lean on its first anchor. A new anchor from elsewhere (the start, a download, a checkpoint
+    without an average) starts it again: until our next outer step the average is that anchor. It lives on
+    the training device (a GPU peer's host memory does not grow; a CPU peer's grows by 4 bytes a parameter)."""
 
     def __init__(self, shared: state.SharedState, *, average_weight: float = 0.0,
                  device: torch.device | str = "cpu"):
@@ -185,6 +187,7 @@ class OuterState:
         self.lock = threading.Lock()
         self.digest_idx = diloco.digest_indices(shared.numel)
         self.average_weight = average_weight
+        self.averaged = 0  # anchors of our outer steps in the average since it last started again
         self.average: Optional[torch.Tensor] = (torch.empty(shared.numel, device=device)
                                                 if average_weight > 0 else None)
 
@@ -196,7 +199,9 @@ class OuterState:
             yield
             self.shared.publish(self.step, self.digest_idx)
             if self.average is not None:
-                diloco.fold_average(self.average, self.anchor, self.average_weight if stepped else 1.0)
+                self.averaged = self.averaged + 1 if stepped else 0
+                weight = max(self.average_weight, 1.0 / self.averaged) if stepped else 1.0
+                diloco.fold_average(self.average, self.anchor, weight)
 
     def load(self, anchor: torch.Tensor, momentum: torch.Tensor, step: int) -> None:
         """Take another state (a download, a checkpoint), copied in place."""

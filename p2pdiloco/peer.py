@@ -340,6 +340,7 @@ class Peer:
                 and state.all_finite(average):
             with self.outer.lock:
                 self.outer.average.copy_(average.reshape(-1))
+                self.outer.averaged = max(1, int(payload.get("averaged", 1)))
         self.inner_step = int(payload.get("inner_step", 0))
         if self.claims is not None and isinstance(payload.get("data_order"), dict):
             self.claims.restore(payload["data_order"])
@@ -375,7 +376,7 @@ class Peer:
                     return
                 payload.update(anchor=outer.anchor.clone(), momentum=outer.momentum.clone())
                 if outer.average is not None:  # the model a user keeps (export, sample)
-                    payload.update(average=outer.average.to("cpu", copy=True))
+                    payload.update(average=outer.average.to("cpu", copy=True), averaged=outer.averaged)
             try:
                 checkpoint.save_checkpoint(self.cfg.checkpoint_dir, payload, outer_step=outer_step)
             except OSError as e:  # disk full, dir removed...: keep training, the previous checkpoint stays

@@ -721,26 +721,30 @@ def test_a_state_header_with_a_malformed_digest_is_not_a_source():
 
 
 def test_the_kept_model_averages_the_anchors_of_outer_steps_and_restarts_on_a_new_anchor():
-    """The model a peer keeps: after each outer step average += w (anchor - average), an exponential moving
-    average of the anchors (weights w (1-w)^k on the k-th last); a state taken from elsewhere (the start, a
-    download, a checkpoint) is not an outer step of ours, so the average starts again from it."""
+    """The model a peer keeps: at its n-th outer step average += max(w, 1/n) (anchor - average), the mean of
+    the anchors its outer steps made until there are 1/w of them, then an exponential moving average. A state
+    taken from elsewhere (the start, a download) is not an outer step of ours: the average is that anchor until
+    our next step, which replaces it (a random init or a far older download must not weigh in the mean)."""
     from p2pdiloco.outer import OuterState
     from p2pdiloco.state import SharedState
 
     outer = OuterState(SharedState(3, shared=False), average_weight=0.25)
-    outer.load(torch.zeros(3), torch.zeros(3), 0)
-    assert_close(outer.kept(), torch.zeros(3))
-    anchors = [torch.full((3,), float(v)) for v in (4.0, 8.0, -2.0)]
-    for i, anchor in enumerate(anchors):
+    outer.load(torch.full((3,), 100.0), torch.zeros(3), 0)  # the init
+    assert_close(outer.kept(), torch.full((3,), 100.0))
+    kept = []
+    for i, value in enumerate((4.0, 8.0, -2.0, 10.0, 2.0)):
         with outer.updating(stepped=True):
-            outer.anchor.copy_(anchor)
+            outer.anchor.fill_(value)
             outer.step = i + 1
-    # (1-w)^3 x 0 + w (1-w)^2 x 4 + w (1-w) x 8 - w x 2
-    expected = 0.25 * 0.75 ** 2 * 4 + 0.25 * 0.75 * 8 - 0.25 * 2
-    assert_close(outer.kept(), torch.full((3,), expected))
-    assert_close(outer.anchor, anchors[-1])  # the anchor itself is untouched: the swarm trains on from it
+        kept.append(float(outer.kept()[0]))
+    # the mean of 4, 8, -2, 10 (n = 1..4, 1/n >= w), then w = 0.25 on the fifth: 5 + 0.25 (2 - 5)
+    assert kept == pytest.approx([4.0, 6.0, 10 / 3, 5.0, 4.25])
+    assert_close(outer.anchor, torch.full((3,), 2.0))  # the anchor itself is untouched: the swarm trains on from it
     outer.load(torch.full((3,), 7.0), torch.zeros(3), 50)  # a download from the swarm: far from our history
     assert_close(outer.kept(), torch.full((3,), 7.0))
+    with outer.updating(stepped=True):
+        outer.anchor.fill_(9.0)
+    assert_close(outer.kept(), torch.full((3,), 9.0))
     plain = OuterState(SharedState(3, shared=False))  # anchor_average 0: no copy, the anchor is the kept model
     assert plain.average is None and plain.kept() is plain.anchor
     with pytest.raises(ValueError, match="anchor_average"):
