@@ -10,6 +10,7 @@ loss (on the anchor, the swarm's model) falls faster than one peer alone would m
 """
 
 import argparse
+import copy
 import math
 import sys
 import time
@@ -77,7 +78,10 @@ def main() -> None:
             inner_opt.zero_grad()
             if diloco.step(loss, tokens=len(x)):
                 print(f"outer step {diloco.outer_step}: eval loss of the local model {eval_fn(model):.4f}", flush=True)
-    print(f"done: outer step {diloco.outer_step}, eval loss of the local model {eval_fn(model):.4f}", flush=True)
+        kept = copy.deepcopy(model)
+        diloco.load_kept_(kept)  # the model to keep: the moving average of the swarm's anchors (anchor_average)
+    print(f"done: outer step {diloco.outer_step}, eval loss of the local model {eval_fn(model):.4f}, "
+          f"of the kept model {eval_fn(kept):.4f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -115,6 +115,12 @@ class DiLoCo:
         with self.peer.outer.lock:
             load_flat_(module or self.model, self.peer.outer.anchor)
 
+    def load_kept_(self, module: Optional[torch.nn.Module] = None) -> None:
+        """Copy the model this peer keeps (the moving average of its anchors, `anchor_average`; the anchor
+        itself when that is 0) into module (default: ours): the one to keep at the end of a run."""
+        with self.peer.outer.lock:
+            load_flat_(module or self.model, self.peer.outer.kept())
+
     def close(self, *, finish: bool = True) -> None:
         """Stop; with finish (the default) first let the last round land and write the final record."""
         if self._closed:

@@ -45,6 +45,7 @@ def test_custom_model_trains_in_a_swarm(tmp_path):
             assert evaluated(outer)[-1]["eval_loss"] < 0.15, outer
             final = swarm.events(name, "final")
             assert final and final[0]["tokens"] == 64 * final[0]["inner_step"], final
+            assert final[0]["kept_eval_loss"] < 0.31, final  # the kept model (the anchors' average), by eval_fn
             assert swarm.events(name, "inner")[-1]["loss"] is not None
         # the eval_fn ran on the anchor: both peers report the same loss at the same outer step
         a_eval = {r["outer_step"]: r["eval_loss"] for r in evaluated(swarm.events("a", "outer"))}
