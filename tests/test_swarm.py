@@ -99,9 +99,11 @@ def test_sigterm_stops_cleanly(swarm):
     assert group_left(pgid) == [], "p2pd or a hivemind child outlived the peer"
     final = swarm.events("c", "final")
     assert final, "the last step evaluates"
-    # the anchor and the model c keeps (its anchors' average, moved by its 2+ outer steps) are both evaluated
+    # the anchor and the model c keeps (its anchors' average) are both evaluated; after 2+ outer steps of its
+    # own they differ, unless a download (a resync) started the average again from the anchor since
     assert math.isfinite(final[0]["eval_loss"]) and math.isfinite(final[0]["kept_eval_loss"])
-    assert final[0]["kept_eval_loss"] != final[0]["eval_loss"]
+    if not swarm.events("c", "resync"):
+        assert final[0]["kept_eval_loss"] != final[0]["eval_loss"]
     # the others go on without it
     before = max(outer_steps(swarm, "a"))
     swarm.wait_for(lambda: max(outer_steps(swarm, "a")) >= before + 2, timeout=90, what="a continues")
