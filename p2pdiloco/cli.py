@@ -41,7 +41,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        kw: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=help_for(f.name))
+        # argparse %-formats help texts: a literal % in a key's help must not break --help
+        kw: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=help_for(f.name).replace("%", "%%"))
         if isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif isinstance(default, list):

@@ -105,7 +105,7 @@ class Config:
                                     "export and sample) is a moving average of the anchors its outer steps made: "
                                     "their mean until there are 1/anchor_average of them, then this weight on each "
                                     "new one (latest weight averaging); 0 keeps the last anchor itself and no copy. "
-                                    "One outer step moves the anchor's loss by several %, the average far less "
+                                    "One outer step moves the anchor's loss by several percent, the average far less "
                                     "(docs/security.md).")
     max_staleness: int = _f(4, "A peer this many outer steps behind the swarm reloads state instead of contributing.")
     group_share: bool = _f(False, "Experimental: scale a group's average by its share of the live swarm (members / "
