@@ -128,12 +128,31 @@ def test_sigkill_mid_allreduce_never_applies_partial(swarm):
 
 def test_sigstop_longer_than_allreduce_timeout_then_catch_up_by_merge(swarm):
     start_three(swarm)
-    entered = len(swarm.events("c", "allreduce_started"))
-    swarm.wait_for(lambda: len(swarm.events("c", "allreduce_started")) > entered, timeout=30, what="c's next round")
-    swarm.signal("c", signal.SIGSTOP)  # in the middle of a round: its parts or its verdict never come
-    t_stop = time.time()
     c_id = swarm.events("c", "outer")[-1]["peer"][-6:]
-    before = {n: max_outer(swarm, n) for n in "ab"}
+
+    def lost_since(n: str, t: float) -> list:
+        return [r for r in swarm.events(n, "round_failed") if r["time"] > t and c_id in r["lost"]]
+
+    # the survivors see c vanish from the round (its parts, its verdict or its check terms never come; or the
+    # other survivor's verdict names it) and stop counting it at once (its record lives 15 s). The SIGSTOP must
+    # land in the middle of a round: a round of this model lasts about a second and the test reads the logs
+    # every 0.25 s, so it can land once the round is over (CI saw it: nobody then saw c vanish from a round,
+    # and the survivors waited for c's record to expire). Then c is woken and its next round tried, 3 at most
+    for attempt in range(3):
+        entered = len(swarm.events("c", "allreduce_started"))
+        swarm.wait_for(lambda: len(swarm.events("c", "allreduce_started")) > entered, timeout=60,
+                       what="c's next round")
+        swarm.signal("c", signal.SIGSTOP)  # in the middle of a round: its parts or its verdict never come
+        t_stop = time.time()
+        before = {n: max_outer(swarm, n) for n in "ab"}
+        try:  # allreduce_timeout (10 s) and the verdict's 4 s bound how long a survivor waits for c
+            swarm.wait_for(lambda: all(lost_since(n, t_stop) for n in "ab"), timeout=20,
+                           what="both survivors name c lost")
+            break
+        except TimeoutError:
+            if attempt == 2:
+                raise
+            swarm.signal("c", signal.SIGCONT)
     try:
         # nobody hangs on the frozen peer: the others keep applying rounds while it is stopped
         swarm.wait_for(lambda: all(max_outer(swarm, n) >= before[n] + 3 for n in "ab"), timeout=90,
@@ -142,11 +161,8 @@ def test_sigstop_longer_than_allreduce_timeout_then_catch_up_by_merge(swarm):
     finally:
         swarm.signal("c", signal.SIGCONT)
     t_cont = time.time()
-    # the survivors see c vanish from the round (its parts, its verdict or its check terms never come; or
-    # the other survivor's verdict names it) and stop counting it at once (its record lives 15 s): their
-    # rounds while c is frozen are whole groups of 2, not groups that wait out the window for c
-    lost = {n: [r for r in swarm.events(n, "round_failed") if t_stop < r["time"] < t_cont and c_id in r["lost"]]
-            for n in "ab"}
+    # their rounds while c is frozen are whole groups of 2, not groups that wait out the window for c
+    lost = {n: [r for r in lost_since(n, t_stop) if r["time"] < t_cont] for n in "ab"}
     assert all(lost.values()), {n: swarm.events(n, "round_failed")[-3:] for n in "ab"}
     for n in "ab":
         frozen = [r for r in swarm.events(n, "outer") if lost[n][0]["time"] < r["time"] < t_cont]
