@@ -76,6 +76,7 @@ class Size:
     byzantine_steps: int = 800        # inner steps per peer of each byzantine run (~75 s on 2 cores)
     byzantine_inner_steps: int = 20   # and its H
     byzantine_runs: tuple = ()        # (attack, rule) cells of `byzantine`; () = BYZANTINE_RUNS
+    collusion_runs: tuple = ()        # the same for `byzantine_collude`; () = COLLUSION_RUNS
     long_h: bool = True               # `quality`: the pair at 2H too (the quick size leaves out this repeat of
                                       # the same code at another H: the suite's time)
 
@@ -454,7 +455,8 @@ class Bench:
         # "control": the honest peers alone (N - colluders clean peers, the same inner steps each), the reference of
         # an attacked swarm's final eval: what the honest peers reach without the attacker's rounds or its tokens
         control = Bench(self.out, replace(crowd.size, peers=n - colluders), seed=self.seed, data=self.data)
-        cells = COLLUSION_RUNS if colluders > 1 else self.size.byzantine_runs or BYZANTINE_RUNS
+        cells = ((self.size.collusion_runs or COLLUSION_RUNS) if colluders > 1
+                 else self.size.byzantine_runs or BYZANTINE_RUNS)
         # "outlier": the last peer is honest but trains on other text (a persistent honest outlier): a ban of it is
         # a false ban; it stays out of the summary like an attacker (its eval is on its own data)
         other = outlier_corpus(self.out) if any(attack == "outlier" for attack, _ in cells) else None
@@ -1027,8 +1029,9 @@ def main(argv=None) -> int:
                         help="byzantine: recompute the figures of the runs in --out from their metrics, run nothing")
     parser.add_argument("--rules", default="mean,centered_clip", help=f"byzantine --attacks: under these rules "
                                                                       f"(of {', '.join(RULES)})")
-    parser.add_argument("--attacks", default="", help="byzantine: only these attacks (comma-separated, 'clean' "
-                                                      "for the honest swarm), each under both rules")
+    parser.add_argument("--attacks", default="", help="byzantine, byzantine_collude: only these attacks "
+                                                      "(comma-separated; 'clean' for the honest swarm, 'control' "
+                                                      "for the honest peers alone), each under --rules")
     args = parser.parse_args(argv)
     if args.comparison == ["_bare"]:
         bare_main(args.steps, args.seed, json.loads(args.overrides), args.preset)
@@ -1060,8 +1063,8 @@ def main(argv=None) -> int:
         print(report(results, Path(args.out)))
         return 0
     if args.attacks:
-        size = replace(size, byzantine_runs=tuple((a, rule) for a in args.attacks.split(",")
-                                                  for rule in args.rules.split(",")))
+        cells = tuple((a, rule) for a in args.attacks.split(",") for rule in args.rules.split(","))
+        size = replace(size, byzantine_runs=cells, collusion_runs=cells)
     if args.parallel:
         size = replace(size, parallel=args.parallel)
     out = Path(args.out or tempfile.mkdtemp(prefix="p2pdiloco-bench-"))

@@ -186,10 +186,15 @@ def test_end_of_run_compares_the_final_anchor_with_the_last_one_every_peer_avera
 def test_byzantine_study_runs_at_quick_size(tmp_path, corpus):
     """bench.py byzantine at its quick size: 3 peers, the last one attacking (P2PDILOCO_TEST_ATTACK, its
     environment alone), under the mean and centered clipping; each run summarizes the honest peers only.
-    The quick numbers mean nothing: the structure is checked, and that the clean runs' numbers are finite."""
+    The structure is checked, that the clean runs' numbers are finite, and one figure: the sign-flipper's
+    honest peers end near their clean swarm alone under the robust rule, and far from it under the mean."""
     out = tmp_path / "bench"
+    # outer momentum 0 at this size: the group average itself, which cannot overshoot the members' models
+    # (at 3 outer steps, 1.0 / 0.6 once left every 3-peer run of a CI study near 8.5, clean ones included,
+    # the 2-peer control at 3.0); what is checked, the robust rule against a sign flip, does not depend on it
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "byzantine", "--quick", "--out",
-                           str(out), "--data", str(corpus)], capture_output=True, text=True, timeout=110)
+                           str(out), "--data", str(corpus), "--set", "outer_momentum=0"],
+                          capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     study = json.loads((out / "results.json").read_text())["by_seed"]["0"]["byzantine"]
     runs = study["runs"]
@@ -217,13 +222,17 @@ def test_byzantine_study_runs_at_quick_size(tmp_path, corpus):
     end = checks["clean (centered_clip): the worst honest kept model over the last whole group's anchor (%)"]
     assert end["value"] == runs["clean_centered_clip"]["end_of_run_pct"]
     assert any(what.startswith("lie:4") for what in checks)
-    # the attacked swarm ran to its end: the honest peers' final eval against their clean swarm alone. Only
-    # computed here, not bounded: at this size (2-3 outer steps) a 3-peer swarm's first outer step can overshoot,
-    # clean or attacked (CI: every 3-peer run ended near 8.5, the 2-peer control at 3.0; locally 4.9 and 3.0)
+    # the attacked swarm ran to its end: the honest peers' final eval against their clean swarm alone (the
+    # model each keeps). The robust rule holds it near the control; the mean, whose average the -5x sender
+    # turns around, does not
     control = checks["signflip:5 (centered_clip): the honest peers' kept model / their clean swarm's alone "
                      "(control), final eval"]
-    assert control["value"] == pytest.approx(runs["signflip5_centered_clip"]["kept_eval"]
-                                             / runs["control_centered_clip"]["kept_eval"])
+    kept = {name: run["kept_eval"] for name, run in runs.items()}
+    assert control["value"] == pytest.approx(kept["signflip5_centered_clip"] / kept["control_centered_clip"])
+    # 3 runs at this size: 1.04-1.14 under the rule, 1.34-1.60 under the mean (the mean's kept model 24-43% worse
+    # than the rule's); a 3-peer run's eval varies by ~15% between reruns here, hence the margins
+    assert control["value"] <= 1.5, kept
+    assert kept["signflip5_mean"] > kept["signflip5_centered_clip"], kept
     md = (out / "results.md").read_text()
     assert "### byzantine (1 attacker(s) of 3 peers" in md and "FAILED" not in md
     assert (out / "byzantine-seed0.png").stat().st_size > 10_000
