@@ -208,6 +208,9 @@ class DilocoAverager(StateSharing, ShardSharing, hivemind.DecentralizedAverager)
         self._max_norm_ratio = cfg.max_norm_ratio
         self._aggregation = aggregation_of(cfg)
         self._banned: set[str] = set()  # peer ids kept out of our groups (suspects.py), set by the trainer
+        # the same, on the trainer's side of the process boundary: a round whose group holds one of them (a third
+        # peer led it) is not applied by us, and our False verdict keeps the other members from applying it
+        self.banned_here: frozenset = frozenset()
         self._secret = cfg.run_secret
         compression = make_codec(cfg.compression)
         self._codec = compression if isinstance(compression, BlockwiseQuantization) else None
@@ -238,7 +241,9 @@ class DilocoAverager(StateSharing, ShardSharing, hivemind.DecentralizedAverager)
         self._matchmaking.potential_leaders.target_group_size = size
 
     def set_banned(self, peers: list) -> None:
-        """From now on, refuse these peers' join requests and do not ask to join their groups."""
+        """From now on, refuse these peers' join requests, do not ask to join their groups, and veto a round
+        whose group holds one of them."""
+        self.banned_here = frozenset(peers)
         self._outer_pipe.send(("_set_banned", [list(peers)], {}))
 
     async def _set_banned(self, peers: list) -> None:
@@ -504,7 +509,10 @@ class RoundRunner:
             # hivemind adds the group's delta to our own values: if the reducers excluded ours, our
             # copy of the average is off, but the round is fine for the others
             own_bad = mine < 0 or policy.excluded[mine] or self.peer_id in report.rejected
-            verdict = ABSTAIN if (report.complete and own_bad) else (report.complete and finite)
+            # a peer we banned got into the group through a third member that leads it: its part counted like
+            # any other (docs/security.md, "Two colluders of seven"); nobody applies this round
+            banned = sorted(set(members) & self.averager.banned_here)
+            verdict = ABSTAIN if (report.complete and own_bad) else (report.complete and finite and not banned)
             check = None
             if sent is not None and verdict is not False and (not report.merged or len(sent) == 3):
                 with self.averager.get_tensors() as (buffer,):
@@ -531,6 +539,8 @@ class RoundRunner:
                 outcome.reason = f"our own contribution was rejected ({note}): not applying"
             elif not finite:
                 outcome.reason = "average is not finite"
+            elif banned:
+                outcome.reason = f"a peer we banned was in the group ({', '.join(p[-6:] for p in banned)}): vetoed"
             elif not all_ok:
                 outcome.reason = why
             else:
