@@ -100,7 +100,6 @@ def test_whoever_is_ready_forms_the_group():
         assert alone.average is None
 
 
-
 def test_a_member_vetoes_a_round_that_holds_a_peer_it_banned():
     """A ban refuses the banned peer's requests and its groups, but a third peer can lead a group that holds
     both: the member that banned it says False, and no member applies the round."""
@@ -113,6 +112,7 @@ def test_a_member_vetoes_a_round_that_holds_a_peer_it_banned():
     assert not any(o.ok for o in outcomes), [o.reason for o in outcomes]
     assert "a peer we banned was in the group" in outcomes[0].reason
     assert all("reported an incomplete round" in o.reason for o in outcomes[1:]), [o.reason for o in outcomes]
+
 
 def test_a_failed_round_lets_its_pseudo_gradient_go():
     """A round that finds no group drops its pseudo-gradient when it returns, without waiting for the
