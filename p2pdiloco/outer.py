@@ -127,6 +127,7 @@ class PendingRound:
     own_share: float = 1.0  # the eager preview's weight on our own pseudo-gradient (diloco.preview_outer_step)
     grid: Optional[tuple] = None  # (round, dims, coords) whose line we entered (grid.py), with a schedule
     late: Optional[float] = None  # seconds after the scheduled due time that we entered (the phase error)
+    entered: Optional[float] = None  # wall-clock time we entered matchmaking (time.time(), like the due times)
     # set by the round's thread when it settles the outcome (_settle_round)
     applied: bool = False   # an outer step moved the anchor; the weights' correction is staged
     resync_to: int = 0      # our anchor differs from the group's: download a state at least this new
@@ -551,7 +552,7 @@ class Rounds:
 
         pending = PendingRound(None, self.boundary.delta, eager, self.tokens_since_anchor, weight, age,
                                start_step=self.inner_step, started_at=time.monotonic(), own_share=own_share,
-                               grid=line, late=late)
+                               grid=line, late=late, entered=time.time())
         pending.future = self.runner.start(pseudo_grad, weight=weight, gather=gather, on_allreduce=formed,
                                            settle=lambda outcome: self._settle_round(pending, outcome))
         return pending
@@ -658,7 +659,7 @@ class Rounds:
             self._count_from_formation(pending)
             self.metrics.log("round_failed", reason=outcome.reason, outer_step=self.outer.step,
                              round_s=outcome.round_s, grid=list(pending.grid) if pending.grid else None,
-                             late=pending.late, lost=[p[-6:] for p in outcome.lost])
+                             late=pending.late, entered=pending.entered, lost=[p[-6:] for p in outcome.lost])
             self.rounds_failed += 1
             logger.info(f"round discarded: {outcome.reason}")
             return False
@@ -695,7 +696,8 @@ class Rounds:
                          merge_clipped={m[-6:]: round(f, 3) for m, f in report.merge_clipped.items()},
                          removed=round(report.removed, 4),
                          grid=list(pending.grid) if pending.grid else None,  # [round, dims, our cell]
-                         late=pending.late, lead_steps=self.lead_steps, digest=pending.digest)
+                         late=pending.late, entered=pending.entered, lead_steps=self.lead_steps,
+                         digest=pending.digest)
         if self.outer.step % self.cfg.checkpoint_every == 0:
             self.save_checkpoint()
         return True

@@ -288,7 +288,8 @@ def _io_bytes(pid: int) -> int:
 
 def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, data: str = "",
               target_group: int = 0, use_grid: bool = True, legacy_dht: str = "", total_steps: int = 0,
-              steps: int = 0, clock_step: Optional[tuple[float, float]] = None, dht_breakdown: bool = False) -> dict:
+              steps: int = 0, clock_step: Optional[tuple[float, float]] = None, dht_breakdown: bool = False,
+              inner_steps: int = 0) -> dict:
     """`size` tiny peers start together through a bootstrap node, paced by --slowdown so that 16 fit
     on 2 cores, and train for `duration` s. Per peer: group sizes, the share of rounds that held
     every live peer (or, with a grid, a whole line of it), inner steps per contribution, applied
@@ -300,7 +301,8 @@ def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, dat
     flags = [*flags, "--slowdown", str(slowdown), "--wait-for-peers", str(size), "--max-time", str(duration),
              "--run-id", f"scale-swarm-{size}", "--bootstrap-timeout", "120", "--target-group-size", str(target),
              "--grid" if use_grid else "--no-grid", *(["--total-steps", str(total_steps)] if total_steps else []),
-             *(["--max-inner-steps", str(steps)] if steps else [])]
+             *(["--max-inner-steps", str(steps)] if steps else []),
+             *(["--inner-steps", str(inner_steps)] if inner_steps else [])]
     if data:
         flags = [*flags, "--data", data]
     names = [f"p{i:02d}" for i in range(size)]
@@ -349,10 +351,12 @@ def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, dat
     dht_min = [(last[n][0] - first[n][0]) / ((last[n][2] - first[n][2]) / 60) for n in names
                if n in last and last[n][2] > first[n][2]]
     return {"peers": size, "slowdown": slowdown, "duration_s": duration, "start_s": t_trained - t0,
-            "target_group_size": target, "grid": use_grid, "legacy_dht": legacy_dht, "steps": steps,
+            "target_group_size": target, "grid": use_grid, "inner_steps": inner_steps or _preset_inner_steps(),
+            "legacy_dht": legacy_dht, "steps": steps,
             "clock_step": clock_step,
             **({"dht_breakdown": dht_bytes_by_key(counts)} if dht_breakdown else {}),
-            **swarm_stats(outer, failed, finals, size=size, target=target, duration=duration),
+            **swarm_stats(outer, failed, finals, size=size, target=target, duration=duration,
+                          inner_steps=inner_steps or _preset_inner_steps()),
             "dht_kb_per_peer_round": statistics.median(dht) / 1e3 if dht else None,
             "dht_kb_per_peer_min": statistics.median(dht_min) / 1e3 if dht_min else None, "exit_codes": exit_codes}
 
@@ -390,11 +394,17 @@ def dht_bytes_by_key(counts: Path) -> dict:
 SETTLED_S = 60.0  # rounds this long after the swarm's first one count as settled (no schedule before it)
 
 
-def swarm_stats(outer: dict, failed: dict, finals: dict, *, size: int, target: int, duration: float) -> dict:
+def _preset_inner_steps() -> int:
+    """H of the swarm's tiny peers unless --inner-steps sets it."""
+    flags = SIZES["tiny"][1]
+    return int(flags[flags.index("--inner-steps") + 1])
+
+
+def swarm_stats(outer: dict, failed: dict, finals: dict, *, size: int, target: int, duration: float,
+                inner_steps: int) -> dict:
     """What the peers' metrics files say of a swarm run (peer -> its outer / round_failed events and
     its final event): groups, rounds, contributions, the anchors' spread, final eval losses."""
-    preset, flags = SIZES["tiny"]
-    inner_steps = int(flags[flags.index("--inner-steps") + 1])
+    preset, _ = SIZES["tiny"]
     base = Config.from_sources(preset)
     tokens_per_step = base.batch_size * base.block_size
     names = list(outer)
@@ -415,7 +425,15 @@ def swarm_stats(outer: dict, failed: dict, finals: dict, *, size: int, target: i
     settled = [r["group_size"] for rs in outer.values() for r in rs if r["time"] >= t_first + SETTLED_S]
     entries = sum(len(o) for o in outer.values()) + sum(len(f) for f in failed.values())
     alone = sum("no group" in r.get("reason", "") for fs in failed.values() for r in fs)
+    period = inner_steps / statistics.median(rates) if rates else None
+    spreads = entry_spreads([r["entered"] for rs in (*outer.values(), *failed.values()) for r in rs
+                             if isinstance(r.get("entered"), (int, float))], gap=period / 2 if period else 1.0)
     return {
+        # a contribution's time (H steps at the median peer's rate) over a round's: the ratio issue 36 sweeps
+        "ratio": period / statistics.median(round_s) if period and round_s else None,
+        # how far apart the peers entered matchmaking for one round (max - min, seconds)
+        "entry_spread_median": statistics.median(spreads) if spreads else None,
+        "entry_spread_p90": spreads[int(0.9 * (len(spreads) - 1))] if spreads else None,
         "final_eval_mean": statistics.mean(evals) if evals else None,
         "final_eval_min": min(evals, default=None), "final_eval_max": max(evals, default=None),
         "full_share": sum(g >= line for g in groups) / len(groups) if groups else None,
@@ -443,6 +461,21 @@ def swarm_stats(outer: dict, failed: dict, finals: dict, *, size: int, target: i
     }
 
 
+def entry_spreads(entered: list[float], *, gap: float) -> list[float]:
+    """The peers' entries into matchmaking (wall-clock times), cut into rounds wherever two
+    consecutive entries lie more than `gap` s apart: each round's spread (last - first), sorted."""
+    spreads, first, last = [], None, None
+    for t in sorted(entered):
+        if first is not None and t - last > gap:
+            spreads.append(last - first)
+            first = None
+        first = t if first is None else first
+        last = t
+    if first is not None:
+        spreads.append(last - first)
+    return sorted(spreads)
+
+
 def rescore_swarm(out: Path) -> list[dict]:
     """The stats of the swarm runs in `out` again, from the peers' metrics files (the DHT bytes, read
     from /proc while the runs ran, are kept from result.json)."""
@@ -454,6 +487,7 @@ def rescore_swarm(out: Path) -> list[dict]:
         failed = {n: [e for e in rs if e["event"] == "round_failed"] for n, rs in runs.items()}
         finals = {n: ([e for e in rs if e["event"] == "final"] or [{}])[0] for n, rs in runs.items()}
         r.update(swarm_stats(outer, failed, finals, size=r["peers"],
+                             inner_steps=r.get("inner_steps") or _preset_inner_steps(),
                              target=r.get("target_group_size") or max(8, r["peers"]), duration=r["duration_s"]))
     return results
 
@@ -496,7 +530,7 @@ def print_swarm(results: list[dict]) -> None:
           f"{'alone':>5} {'H +-10%':>7} {'max steps':>9} "
           f"{'rounds/min':>10} {'min':>5} {'round s':>8} {'p90':>6} {'failed':>6} {'applied':>7} "
           f"{'spread':>8} {'1st half':>8} {'2nd half':>8} {'eval':>6} {'DHT kB/peer/round':>18} {'/min':>7} "
-          f"{'start s':>8}")
+          f"{'start s':>8} {'ratio':>6} {'entry spread':>12} {'p90':>6}")
     for r in results:
         print(f"{r['peers']:>5} {r.get('target_group_size', '-'):>5} {'yes' if r.get('grid') else 'no':>4} "
               f"{_num(r['group_size_mean'], 1):>10} {_num(r['group_size_max'], 0):>4} "
@@ -508,7 +542,8 @@ def print_swarm(results: list[dict]) -> None:
               f"{_num(r.get('spread_median'), 5):>8} {_num(r.get('spread_first_half'), 5):>8} "
               f"{_num(r.get('spread_second_half'), 5):>8} {_num(r.get('final_eval_mean'), 3):>6} "
               f"{_num(r['dht_kb_per_peer_round'], 1):>18} {_num(r.get('dht_kb_per_peer_min'), 0):>7} "
-              f"{r['start_s']:>8.0f}")
+              f"{r['start_s']:>8.0f} {_num(r.get('ratio'), 1):>6} {_num(r.get('entry_spread_median'), 2):>12} "
+              f"{_num(r.get('entry_spread_p90'), 2):>6}")
 
 
 def print_dht_breakdown(results: list[dict]) -> None:
@@ -628,6 +663,7 @@ def main(argv=None) -> int:
                        help="target_group_size (default: the preset's, 8; past it, groups are lines of a grid)")
     sweep.add_argument("--steps", type=int, default=0,
                        help="stop each peer after this many inner steps (equal tokens; --duration then only bounds it)")
+    sweep.add_argument("--inner-steps", type=int, default=0, help="H (default: 30)")
     sweep.add_argument("--total-steps", type=int, default=0,
                        help="the inner lr's cosine length (default: the preset's); short: the lr decays in the run")
     sweep.add_argument("--rescore", action="store_true",
@@ -649,6 +685,8 @@ def main(argv=None) -> int:
         parser.error("--duration must be positive")
     if args.mode == "swarm" and args.rescore and not (Path(args.out) / "result.json").is_file():
         parser.error("--rescore needs --out DIR of an earlier swarm run (its result.json)")
+    if args.mode == "swarm" and args.inner_steps < 0:
+        parser.error("--inner-steps must be positive (0: the default)")
     if args.mode == "swarm" and not all(2 <= n <= 32 for n in args.sizes):
         parser.error("--sizes must be 2..32 peers each")
     if args.mode == "join" and not (1 <= args.sources <= 8 and 1 <= args.repeats <= 10 and args.rate_mbit >= 0):
@@ -679,7 +717,7 @@ def main(argv=None) -> int:
         result = [run_swarm(n, args.duration, out / f"swarm-{n}", slowdown=args.slowdown, data=args.data,
                             target_group=args.target_group, use_grid=not args.no_grid, legacy_dht=args.legacy_dht,
                             total_steps=args.total_steps, steps=args.steps, clock_step=clock_step,
-                            dht_breakdown=args.dht_breakdown)
+                            dht_breakdown=args.dht_breakdown, inner_steps=args.inner_steps)
                   for n in args.sizes]
         print_swarm(result)
         if args.dht_breakdown:
