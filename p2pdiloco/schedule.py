@@ -137,7 +137,6 @@ class Clock:
         self.due: Optional[float] = None      # wall-clock time of our next entry
         self.period: Optional[float] = None   # seconds between the swarm's rounds
         self.in_phase = False                 # False: take the swarm's phase at the next progress read
-        self.mates: frozenset = frozenset()   # peer ids of our last group: they left it with our due time
         # (monotonic time, inner step) of our last entries (and the start): the speed is measured from them
         self._marks = collections.deque([(now if mono is None else mono, inner_step)], maxlen=SPEED_MARKS)
 
@@ -200,8 +199,6 @@ class Clock:
         rounds = [m["round"] for m in members if _integer(m.get("round"))]
         self.round = max(rounds) + 1 if rounds else self.round + 1
         self.in_phase = full and schedule is not None
-        mates = (m["peer"] for m in members if isinstance(m.get("peer"), str))
-        self.mates = frozenset(mates) if schedule is not None else frozenset()
 
     def after_no_group(self) -> None:
         """Nobody met us: keep our own clock for now, and look at the swarm's phase."""
@@ -209,7 +206,6 @@ class Clock:
             self.due += self.period
         self.round += 1
         self.in_phase = False
-        self.mates = frozenset()
 
     def observe(self, records: dict) -> None:
         """The swarm's period from its progress records: inner_steps at the median of the live peers' speeds."""
@@ -218,16 +214,7 @@ class Clock:
             self.swarm_period = self.inner_steps / statistics.median(speeds)
 
     def adopt(self, records: dict, *, now: float) -> bool:
-        """Take the phase that most live peers hold (their progress records); True if ours moved.
-
-        The members of our last group hold our phase whatever their records say: every one of them left
-        the group with our due time, and a record published before the group formed still carries the
-        due time and period of the round before. Counted from such records, a group of 7 of 8 split
-        into phases seconds apart, each member moving wherever its read showed most records (8 peers at
-        a period of 14 s: 0.54 of the rounds whole; docs/scale.md, "Whole groups of 8 as the ratio falls")."""
-        if self.mates and self.due is not None:
-            ours = self.record()
-            records = {peer: ours if peer in self.mates else record for peer, record in records.items()}
+        """Take the phase that most live peers hold (their progress records); True if ours moved."""
         phase = _phase(records, now=now, tolerance=PHASE_TOLERANCE, max_gap=self.max_gap)
         if phase is None:
             return False

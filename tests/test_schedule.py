@@ -55,23 +55,6 @@ def test_phases_compare_on_the_circle():
     assert due in (pytest.approx(100.05), pytest.approx(101.95))
 
 
-def test_a_partial_groups_members_keep_its_phase_against_stale_records():
-    # a, b, c averaged without d and left with due 114 (period 14); the records they published before
-    # the group formed still say due 100, period 13: carried forward, 113, a second off
-    stale = {p: {"due": 100.0, "period": 13.0} for p in "abcd"}
-    clock = Clock(inner_steps=50, now=0.0, inner_step=0, window=2.0)
-    clock.after_round([{"peer": p, "due": 100.0, "speed": 50 / 14} for p in "abc"], full=False)
-    assert (clock.due, clock.period, clock.in_phase) == (114.0, 14.0, False)
-    assert not clock.adopt(stale, now=105.0) and clock.due == 114.0 and clock.in_phase
-    # counted from the records alone (members that did not say who they are), it would have moved
-    blind = Clock(inner_steps=50, now=0.0, inner_step=0, window=2.0)
-    blind.after_round([{"due": 100.0, "speed": 50 / 14} for _ in "abc"], full=False)
-    assert blind.adopt(stale, now=105.0) and blind.due == 113.0
-    # after a round that met nobody our last group's mates say nothing of our phase
-    clock.after_no_group()
-    assert clock.mates == frozenset()
-
-
 def test_clock_through_rounds():
     clock = Clock(inner_steps=50, now=0.0, inner_step=0)
     assert clock.should_enter(now=1.0, inner_step=50) is None  # no schedule before a group formed
