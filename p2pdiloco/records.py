@@ -27,6 +27,7 @@ from p2pdiloco import swarm
 logger = logging.getLogger(__name__)
 
 CONFIG_EVERY = 60.0  # seconds between announcements of the run's config
+REJOIN_SPAN = 600.0  # seconds: the peers a read showed this recently are pinged when a read shows nobody else
 
 
 class SwarmRecords:
@@ -42,6 +43,15 @@ class SwarmRecords:
         self._announced = time.monotonic()
         self._published_at = self._status_published_at = self._read_at = -math.inf
         self._status_news = None  # what our last status record said that status must show at once
+        # the others our reads showed (peer id -> when, monotonic) and the initial peers (peer id -> multiaddrs):
+        # whom we ping when a read shows nobody else (swarm.rejoin)
+        self._seen: dict[str, float] = {}
+        self._initial: dict[str, list[str]] = {}
+        for maddr in cfg.initial_peers:
+            peer = swarm.peer_id_of(maddr)
+            if peer is not None:
+                self._initial.setdefault(peer, []).append(maddr)
+        self._cut_off = False  # our last read showed nobody else, though we knew of others
         self._thread = threading.Thread(target=self._loop, name="swarm-records", daemon=True)
         self._thread.start()
 
@@ -113,3 +123,25 @@ class SwarmRecords:
         found = swarm.read_progress(self.dht, self.cfg, timeout=10.0)
         with self._lock:
             self._found = found
+        self._keep_in_touch(found)
+
+    def _keep_in_touch(self, found: dict) -> None:
+        """A read that shows nobody else while we knew of others: our DHT may have lost them all (a
+        freeze: swarm.rejoin says how), so ping the peers we knew and the initial peers back in."""
+        own, now = str(self.dht.peer_id), time.monotonic()
+        others = [peer for peer in found if peer != own]
+        self._seen.update((peer, now) for peer in others)
+        self._seen = {peer: t for peer, t in self._seen.items() if now - t <= REJOIN_SPAN}
+        if others:
+            if self._cut_off:
+                logger.info(f"back in touch with the swarm: {len(others)} other peer(s) in the DHT")
+            self._cut_off = False
+            return
+        peers = {**{peer: [] for peer in self._seen}, **self._initial}
+        if not peers:  # the first peer of a swarm, alone
+            return
+        if not self._cut_off:
+            logger.info(f"the DHT shows no other peer (after a freeze or a network cut?): pinging the "
+                        f"{len(peers)} we knew")
+        self._cut_off = True
+        swarm.rejoin(self.dht, peers)

@@ -14,6 +14,8 @@ Any hivemind DHT node (e.g. `hivemind-dht`) can serve as an initial peer.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import os
 import time
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 import hivemind
+from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -57,6 +60,34 @@ def learned_peers(dht: hivemind.DHT, cfg, timeout: float = 5.0) -> list[str]:
     own = str(dht.peer_id)
     return list(dict.fromkeys(a for peer, r in records.items() if peer != own
                               for a in r.get("maddrs") or [] if isinstance(a, str) and "/p2p/" in a))
+
+
+def rejoin(dht: hivemind.DHT, peers: dict[str, list[str]], timeout: float = 10.0) -> int:
+    """Ping these peers (peer id -> multiaddrs to dial, or [] for the addresses p2pd already knows)
+    into our DHT's routing table, and us into theirs; how many answered. hivemind drops a peer from
+    its routing table when a request to it goes unanswered, on both sides: after a freeze (a laptop
+    that sleeps, SIGSTOP) the sleeper's requests in flight all time out on waking while the others
+    dropped it during the freeze, and nothing makes either side ask the other again. The DHT is then
+    split for good: the sleeper reads only its own records, and its groups never meet the others'."""
+    try:
+        return dht.run_coroutine(functools.partial(_ping_peers, peers=peers), return_future=True).result(timeout)
+    except Exception as e:  # the DHT is slow or gone: the next read tries again
+        logger.debug(f"rejoin failed: {e!r}")
+        return 0
+
+
+async def _ping_peers(_dht, node, *, peers: dict[str, list[str]]) -> int:
+    async def ping(peer: str, maddrs: list[str]) -> bool:
+        peer_id = PeerID.from_base58(peer)
+        if maddrs:
+            try:
+                await node.p2p._client.connect(peer_id, [Multiaddr(m) for m in maddrs])
+            except Exception as e:  # the ping below may still reach it through addresses p2pd knows
+                logger.debug(f"could not dial {peer}: {e!r}")
+        return await node.protocol.call_ping(peer_id) is not None
+
+    answers = await asyncio.gather(*(ping(p, m) for p, m in peers.items()), return_exceptions=True)
+    return sum(answer is True for answer in answers)
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:

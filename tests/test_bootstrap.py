@@ -308,3 +308,42 @@ def test_a_small_beam_still_reads_every_record():
     finally:
         for dht in dhts:
             dht.shutdown()
+
+
+async def _forget_everyone(_dht, node) -> None:  # runs in the DHT's process
+    for node_id in list(node.protocol.routing_table.uid_to_peer_id):
+        del node.protocol.routing_table[node_id]
+
+
+def test_a_dht_split_by_a_freeze_is_pinged_back_together():
+    """hivemind drops a peer that did not answer from its routing table, on both sides, and then never
+    asks it again: after a freeze (a SIGSTOPped joiner in the suite) the sleeper's DHT and the others'
+    were split for good. A read of the progress records that shows nobody else pings the peers we
+    knew (here the initial peer) back in."""
+    from hivemind.utils import get_dht_time
+
+    from p2pdiloco.records import SwarmRecords
+
+    loopback = ["/ip4/127.0.0.1/tcp/0"]
+    dhts, records = [], None
+    try:
+        dhts.append(bootstrap.start_dht(Config(host_maddrs=loopback)))
+        addrs = [str(a) for a in dhts[0].get_visible_maddrs()]
+        cfg = Config(initial_peers=addrs, host_maddrs=loopback)
+        dhts.append(bootstrap.start_dht(cfg))
+        a, b = dhts
+        for dht in dhts:  # what both sides did to each other during the freeze
+            dht.run_coroutine(_forget_everyone)
+        assert a.store("probe", subkey="a", value=1, expiration_time=get_dht_time() + 60)
+        assert b.get("probe", latest=True) is None  # split: b's lookups ask nobody
+        records = SwarmRecords(b, cfg, swarm_size=lambda: 2)
+        records._keep_in_touch({str(b.peer_id): {}})  # a read that shows only ourselves
+        found = b.get("probe", latest=True)
+        assert found is not None and found.value["a"].value == 1
+        records._keep_in_touch({str(b.peer_id): {}, str(a.peer_id): {}})
+        assert not records._cut_off
+    finally:
+        if records is not None:
+            records.close()
+        for dht in dhts:
+            dht.shutdown()
