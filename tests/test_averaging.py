@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import math
 import threading
 import time
@@ -492,3 +493,21 @@ def test_the_check_passes_a_merge_of_clustered_anchors():
     for o in outcomes:
         assert o.ok and o.report.merged, o.reason
         assert o.check["ok"] and o.check["stat"] < robust.CHECK_THRESHOLD / 2, o.check
+
+
+def test_asyncio_reports_of_expected_stream_ends_are_one_warning_line():
+    """hivemind's p2pd bindings leave two expected stream errors to asyncio, which logs them as ERRORs
+    with tracebacks: each becomes one warning line; any other unretrieved error keeps its traceback."""
+
+    def report(message: str, error: BaseException) -> logging.LogRecord:
+        record = logging.LogRecord("asyncio", logging.ERROR, __file__, 1, message, (), (type(error), error, None))
+        assert averaging._one_line_asyncio_report(record)  # kept, rewritten in place
+        return record
+
+    closed = report("Task exception was never retrieved", ConnectionResetError("Connection lost"))
+    assert closed.levelname == "WARNING" and closed.exc_info is None
+    assert closed.getMessage() == "p2p: a peer closed a stream before our answer was written (Connection lost)"
+    ended = report("Unhandled exception in client_connected_cb", BrokenPipeError("pipe"))
+    assert ended.levelname == "WARNING" and "a stream from a peer ended early" in ended.getMessage()
+    other = report("Task exception was never retrieved", ValueError("a bug"))
+    assert other.levelname == "ERROR" and other.exc_info is not None
