@@ -319,8 +319,12 @@ class InPlaceParts(TensorPartContainer):
     alpha = 1.0  # deltas (return_deltas) are added with this weight; averages are copied
 
     def register_failed_reducer(self, peer_index: int):
-        """hivemind's, remembering which reducer failed (RoundReport.lost)."""
-        self.__dict__.setdefault("failed_reducers", set()).add(peer_index)
+        """hivemind's, remembering the reducers that failed while the round ran, in order (RoundReport.lost).
+        Once the round ended, hivemind cancels every reducer's stream and registers each as failed: those
+        are not remembered."""
+        failed = self.__dict__.setdefault("failed_reducers", [])
+        if not self.finished.is_set() and peer_index not in failed:
+            failed.append(peer_index)
         super().register_failed_reducer(peer_index)
 
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor):
@@ -584,8 +588,15 @@ class CountingAllReduceRunner(AllReduceRunner):
             clipped = {str(self.sender_peer_ids[i]): f for i, f in reducer.mean_factors((0,)).items()}
             merge_clipped = {str(self.sender_peer_ids[i]): f for i, f in reducer.mean_factors((1, 2)).items()}
             removed = reducer.removed_share()
-        lost = {str(p) for p in self.banned_senders}
-        lost |= {str(self.ordered_peer_ids[i]) for i in self.tensor_part_container.__dict__.get("failed_reducers", ())}
+        # who vanished: a sender that did not hand our reducer all its parts, and the first reducer that failed
+        # us. Not every sender hivemind banned (once our reducer is finalized it bans each whose stream is still
+        # open) nor every reducer whose stream broke (the members whose round failed first close theirs): counted,
+        # all 7 groupmates of a paced 8 were taken for gone after one member's loss (docs/scale.md)
+        reducer = self.tensor_part_reducer
+        lost = {str(p) for i, p in enumerate(self.sender_peer_ids)
+                if reducer.num_parts and reducer.num_parts_received[i] < reducer.num_parts}
+        failed = self.tensor_part_container.__dict__.get("failed_reducers", [])
+        lost |= {str(self.ordered_peer_ids[i]) for i in failed[:1]}
         lost.discard(str(self.peer_id))
         return RoundReport(group_id=self.group_id.hex(), complete=not problems, reason="; ".join(problems),
                            bytes_sent=self.bytes_sent, bytes_recv=self.bytes_recv, rejected=dict(self.rejected),

@@ -289,7 +289,7 @@ def _io_bytes(pid: int) -> int:
 def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, data: str = "",
               target_group: int = 0, use_grid: bool = True, legacy_dht: str = "", total_steps: int = 0,
               steps: int = 0, clock_step: Optional[tuple[float, float]] = None, dht_breakdown: bool = False,
-              inner_steps: int = 0) -> dict:
+              inner_steps: int = 0, aggregation: str = "") -> dict:
     """`size` tiny peers start together through a bootstrap node, paced by --slowdown so that 16 fit
     on 2 cores, and train for `duration` s. Per peer: group sizes, the share of rounds that held
     every live peer (or, with a grid, a whole line of it), inner steps per contribution, applied
@@ -302,7 +302,8 @@ def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, dat
              "--run-id", f"scale-swarm-{size}", "--bootstrap-timeout", "120", "--target-group-size", str(target),
              "--grid" if use_grid else "--no-grid", *(["--total-steps", str(total_steps)] if total_steps else []),
              *(["--max-inner-steps", str(steps)] if steps else []),
-             *(["--inner-steps", str(inner_steps)] if inner_steps else [])]
+             *(["--inner-steps", str(inner_steps)] if inner_steps else []),
+             *(["--aggregation", aggregation] if aggregation else [])]
     if data:
         flags = [*flags, "--data", data]
     names = [f"p{i:02d}" for i in range(size)]
@@ -346,14 +347,16 @@ def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, dat
         outer = {n: swarm.events(n, "outer") for n in names}
         failed = {n: swarm.events(n, "round_failed") for n in names}
         finals = {n: (swarm.events(n, "final") or [{}])[0] for n in names}
+        # every one a false ban: no peer of these runs attacks (docs/scale.md, "False bans at a small H")
+        bans = sum(len(swarm.events(n, "banned")) for n in names)
     dht = [(last[n][0] - first[n][0]) / (last[n][1] - first[n][1]) for n in names
            if n in last and last[n][1] > first[n][1]]
     dht_min = [(last[n][0] - first[n][0]) / ((last[n][2] - first[n][2]) / 60) for n in names
                if n in last and last[n][2] > first[n][2]]
     return {"peers": size, "slowdown": slowdown, "duration_s": duration, "start_s": t_trained - t0,
             "target_group_size": target, "grid": use_grid, "inner_steps": inner_steps or _preset_inner_steps(),
-            "legacy_dht": legacy_dht, "steps": steps,
-            "clock_step": clock_step,
+            "legacy_dht": legacy_dht, "steps": steps, "aggregation": aggregation or "the preset's",
+            "clock_step": clock_step, "bans": bans,
             **({"dht_breakdown": dht_bytes_by_key(counts)} if dht_breakdown else {}),
             **swarm_stats(outer, failed, finals, size=size, target=target, duration=duration,
                           inner_steps=inner_steps or _preset_inner_steps()),
@@ -423,6 +426,8 @@ def swarm_stats(outer: dict, failed: dict, finals: dict, *, size: int, target: i
     spread = anchor_spread(outer, every=5.0)
     t_first = min((r["time"] for rs in outer.values() for r in rs), default=0.0)
     settled = [r["group_size"] for rs in outer.values() for r in rs if r["time"] >= t_first + SETTLED_S]
+    t_last = max((r["time"] for rs in outer.values() for r in rs), default=0.0)
+    late = [r["group_size"] for rs in outer.values() for r in rs if r["time"] >= (t_first + t_last) / 2]
     entries = sum(len(o) for o in outer.values()) + sum(len(f) for f in failed.values())
     alone = sum("no group" in r.get("reason", "") for fs in failed.values() for r in fs)
     period = inner_steps / statistics.median(rates) if rates else None
@@ -438,6 +443,8 @@ def swarm_stats(outer: dict, failed: dict, finals: dict, *, size: int, target: i
         "final_eval_min": min(evals, default=None), "final_eval_max": max(evals, default=None),
         "full_share": sum(g >= line for g in groups) / len(groups) if groups else None,
         "full_share_settled": sum(g >= line for g in settled) / len(settled) if settled else None,
+        # the same over the second half of the rounds' span: a short run's settled share
+        "full_share_second_half": sum(g >= line for g in late) / len(late) if late else None,
         "alone_share": alone / entries if entries else None,
         "steps_median": statistics.median(steps) if steps else None,
         "steps_max": steps[-1] if steps else None,  # a stalled schedule: contributions of many times H
@@ -530,7 +537,7 @@ def print_swarm(results: list[dict]) -> None:
           f"{'alone':>5} {'H +-10%':>7} {'max steps':>9} "
           f"{'rounds/min':>10} {'min':>5} {'round s':>8} {'p90':>6} {'failed':>6} {'applied':>7} "
           f"{'spread':>8} {'1st half':>8} {'2nd half':>8} {'eval':>6} {'DHT kB/peer/round':>18} {'/min':>7} "
-          f"{'start s':>8} {'ratio':>6} {'entry spread':>12} {'p90':>6}")
+          f"{'start s':>8} {'ratio':>6} {'entry spread':>12} {'p90':>6} {'bans':>4}")
     for r in results:
         print(f"{r['peers']:>5} {r.get('target_group_size', '-'):>5} {'yes' if r.get('grid') else 'no':>4} "
               f"{_num(r['group_size_mean'], 1):>10} {_num(r['group_size_max'], 0):>4} "
@@ -543,7 +550,7 @@ def print_swarm(results: list[dict]) -> None:
               f"{_num(r.get('spread_second_half'), 5):>8} {_num(r.get('final_eval_mean'), 3):>6} "
               f"{_num(r['dht_kb_per_peer_round'], 1):>18} {_num(r.get('dht_kb_per_peer_min'), 0):>7} "
               f"{r['start_s']:>8.0f} {_num(r.get('ratio'), 1):>6} {_num(r.get('entry_spread_median'), 2):>12} "
-              f"{_num(r.get('entry_spread_p90'), 2):>6}")
+              f"{_num(r.get('entry_spread_p90'), 2):>6} {_num(r.get('bans'), 0):>4}")
 
 
 def print_dht_breakdown(results: list[dict]) -> None:
@@ -664,6 +671,8 @@ def main(argv=None) -> int:
     sweep.add_argument("--steps", type=int, default=0,
                        help="stop each peer after this many inner steps (equal tokens; --duration then only bounds it)")
     sweep.add_argument("--inner-steps", type=int, default=0, help="H (default: 30)")
+    sweep.add_argument("--aggregation", choices=["mean", "centered_clip"], default="",
+                       help="the reducers' rule (default: the preset's, centered_clip)")
     sweep.add_argument("--total-steps", type=int, default=0,
                        help="the inner lr's cosine length (default: the preset's); short: the lr decays in the run")
     sweep.add_argument("--rescore", action="store_true",
@@ -717,7 +726,8 @@ def main(argv=None) -> int:
         result = [run_swarm(n, args.duration, out / f"swarm-{n}", slowdown=args.slowdown, data=args.data,
                             target_group=args.target_group, use_grid=not args.no_grid, legacy_dht=args.legacy_dht,
                             total_steps=args.total_steps, steps=args.steps, clock_step=clock_step,
-                            dht_breakdown=args.dht_breakdown, inner_steps=args.inner_steps)
+                            dht_breakdown=args.dht_breakdown, inner_steps=args.inner_steps,
+                            aggregation=args.aggregation)
                   for n in args.sizes]
         print_swarm(result)
         if args.dht_breakdown:
