@@ -43,14 +43,14 @@ class SwarmRecords:
         self._announced = time.monotonic()
         self._published_at = self._status_published_at = self._read_at = -math.inf
         self._status_news = None  # what our last status record said that status must show at once
-        # the others our reads showed (peer id -> when, monotonic) and the initial peers (peer id -> multiaddrs):
-        # whom we ping when a read shows nobody else (swarm.rejoin)
-        self._seen: dict[str, float] = {}
+        # whom we ping when a read shows nobody else (swarm.rejoin): the others our reads showed and the initial
+        # peers (peer id -> when, monotonic; forgotten after REJOIN_SPAN), the initial peers with their addresses
         self._initial: dict[str, list[str]] = {}
         for maddr in cfg.initial_peers:
             peer = swarm.peer_id_of(maddr)
             if peer is not None:
                 self._initial.setdefault(peer, []).append(maddr)
+        self._seen: dict[str, float] = dict.fromkeys(self._initial, time.monotonic())
         self._cut_off = False  # our last read showed nobody else, though we knew of others
         self._thread = threading.Thread(target=self._loop, name="swarm-records", daemon=True)
         self._thread.start()
@@ -129,16 +129,17 @@ class SwarmRecords:
         """A read that shows nobody else while we knew of others: our DHT may have lost them all (a
         freeze: swarm.rejoin says how), so ping the peers we knew and the initial peers back in."""
         own, now = str(self.dht.peer_id), time.monotonic()
-        others = [peer for peer in found if peer != own]
+        others = [peer for peer, record in found.items() if peer != own and not record.get("left")]
         self._seen.update((peer, now) for peer in others)
-        self._seen = {peer: t for peer, t in self._seen.items() if now - t <= REJOIN_SPAN}
+        self._seen = {peer: t for peer, t in self._seen.items()  # a peer that stopped cleanly said so
+                      if now - t <= REJOIN_SPAN and not found.get(peer, {}).get("left")}
         if others:
             if self._cut_off:
                 logger.info(f"back in touch with the swarm: {len(others)} other peer(s) in the DHT")
             self._cut_off = False
             return
-        peers = {**{peer: [] for peer in self._seen}, **self._initial}
-        if not peers:  # the first peer of a swarm, alone
+        peers = {peer: self._initial.get(peer, []) for peer in self._seen}
+        if not peers:  # the first peer of a swarm, or the last one: alone
             return
         if not self._cut_off:
             logger.info(f"the DHT shows no other peer (after a freeze or a network cut?): pinging the "

@@ -347,7 +347,7 @@ def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, dat
         outer = {n: swarm.events(n, "outer") for n in names}
         failed = {n: swarm.events(n, "round_failed") for n in names}
         finals = {n: (swarm.events(n, "final") or [{}])[0] for n in names}
-        # every one a false ban: no peer of these runs attacks (docs/scale.md, "False bans at a small H")
+        # every one a false ban: no peer of these runs attacks (docs/scale.md, "at a small H the robust rule bans")
         bans = sum(len(swarm.events(n, "banned")) for n in names)
     dht = [(last[n][0] - first[n][0]) / (last[n][1] - first[n][1]) for n in names
            if n in last and last[n][1] > first[n][1]]
