@@ -179,6 +179,10 @@ class Missing(str):
     peers: tuple = ()
 
 
+async def _keep_key(group_info) -> None:
+    """In place of hivemind's re-keying after a group assembled: the key stays where the grid set it."""
+
+
 class DilocoAverager(StateSharing, ShardSharing, hivemind.DecentralizedAverager):
     """A DecentralizedAverager whose step() also returns a RoundReport, and that serves chunks of
     `shared` (the trainer's SharedState) to joiners and fetches the swarm's state into `staging`
@@ -242,6 +246,14 @@ class DilocoAverager(StateSharing, ShardSharing, hivemind.DecentralizedAverager)
     async def _set_target_group_size(self, size: int) -> None:
         self._matchmaking.target_group_size = size
         self._matchmaking.potential_leaders.target_group_size = size
+
+    async def _set_group_bits(self, group_bits: str, future) -> None:
+        # hivemind moves the key itself after every assembled group (GroupKeyManager.update_key_on_group_assembled
+        # shifts the bits by log2(target_group_size) random ones): the grid's key (grid.key_bits) then lasted only
+        # until our first group, and a peer whose next round had the same bits searched under the shifted key
+        # alone (8 peers on lines of 3: 0.54-0.86 of entries met nobody). The key is the grid's alone
+        self._matchmaking.group_key_manager.update_key_on_group_assembled = _keep_key
+        await super()._set_group_bits(group_bits, future)
 
     def set_banned(self, peers: list) -> None:
         """From now on, refuse these peers' join requests, do not ask to join their groups, and veto a round

@@ -19,8 +19,10 @@ peer off a taken or outlying cell, by the cells in the other peers' progress rec
 `dims` and `round_` must agree across the swarm: they travel with the schedule (schedule.Clock:
 a formed group agrees on them as it agrees on the next due time, and a peer out of phase takes them
 from the progress records). With dims = 1 (the swarm fits in one group) the key is the same for
-everyone: one group, as without a grid. hivemind 1.1.12 has the rotation's other half
-(`GroupKeyManager.update_key_on_group_assembled`, random distinct buckets) but never calls it; a
+everyone: one group, as without a grid. hivemind 1.1.12 re-buckets a peer itself after every
+assembled group (`GroupKeyManager.update_key_on_group_assembled`: it shifts the key's bits by
+log2(target_group_size) random ones), which would move a peer off the grid's key after its first
+group; the averager (averaging.DilocoAverager) turns that off, and the key is the grid's alone. A
 random re-bucketing also leaves the buckets unbalanced once N > size**2, which the grid does not.
 """
 

@@ -399,7 +399,8 @@ class Rounds:
     def _enter_line(self) -> tuple[Optional[tuple], Optional[str]]:
         """With a grid (a swarm beyond one group): this round's line of the grid (grid.py), as (round,
         dims, coords), and the averager's new group key bits if they change (the round's thread sets
-        them); the group key is unchanged while the swarm fits in one group."""
+        them; DilocoAverager keeps hivemind from moving them); the group key is unchanged while the swarm
+        fits in one group."""
         if not self.cfg.grid:
             return None, None
         size, dims = self.cfg.target_group_size, self.clock.dims
@@ -646,7 +647,7 @@ class Rounds:
                 # a group that held every live peer leaves everyone in phase; a partial group, or one line of a
                 # grid, says nothing of the others' phase: look at the swarm's at the next read
                 whole = self.clock.dims <= 1 and len(outcome.members) >= self.swarm_size
-                self.clock.after_round(list(outcome.members.values()), full=whole)
+                self.clock.after_round(list(outcome.members.values()), full=whole, round_s=outcome.round_s)
             else:
                 self.clock.after_no_group()
         # bad_contribution and reducer_check events; a peer that keeps attacking is banned (suspects.py)

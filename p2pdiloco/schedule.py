@@ -5,6 +5,7 @@ The swarm's rounds are due on a clock. Round k+1 is due one `period` after round
 is the time a peer of the group's median speed takes for inner_steps steps:
 
     period = inner_steps / median(members' speeds)        # speeds in inner steps per second
+    period = max(period, 1.25 x median(members' last round times))   # a round outlasting H steps
     due    = median(members' announced due times) + period
 
 Every member of a formed group computes both from the same announcements (each member's `due`
@@ -56,6 +57,7 @@ PHASE_TOLERANCE = 0.1  # due times closer than this share of the period are one 
 # apart to meet in one window. Paced peers (a period of 65 s, docs/benchmarks.md) were 3.5 s out of
 # phase, inside 10% of the period, and missed every round
 WINDOW_TOLERANCE = 0.25
+ROUND_MARGIN = 1.25  # the period is at least this many rounds' times (the median member's last round)
 
 
 def _number(x) -> bool:
@@ -73,8 +75,18 @@ def agreed(members: list[dict], *, inner_steps: int) -> Optional[tuple[float, fl
     speeds = [float(m["speed"]) for m in members if _number(m.get("speed")) and m["speed"] > 0]
     if not dues or not speeds:
         return None
-    period = inner_steps / statistics.median(speeds)
+    period = _period(inner_steps, speeds, [m.get("round_s") for m in members])
     return statistics.median(dues) + period, period
+
+
+def _period(inner_steps: int, speeds: list, round_times: list) -> float:
+    """inner_steps at the median speed, but no shorter than ROUND_MARGIN x the median round's time: where a
+    round takes longer than H steps (fast compute, a slow network), every member's round would still run at
+    its next due time, and the swarm would split into halves on alternating due times. The contribution then
+    holds more than H steps, the steps made while the last round was in flight."""
+    period = inner_steps / statistics.median(speeds)
+    times = [float(t) for t in round_times if _number(t) and t > 0]
+    return max(period, ROUND_MARGIN * statistics.median(times)) if times else period
 
 
 def swarm_phase(records: dict, *, now: float, tolerance: float = PHASE_TOLERANCE,
@@ -132,6 +144,7 @@ class Clock:
         self.round = 0                  # the swarm's round number: which dimension of the grid groups peers
         self.swarm_period: Optional[float] = None  # inner_steps at the swarm's median speed (progress records)
         self.last_speed: Optional[float] = None    # our speed at our last entry, for our progress record
+        self.round_s: Optional[float] = None       # seconds our last formed round took, entry to end (announced)
         self.dims = 1                   # the grid's dimensions, agreed like the due time
         self.max_gap = WINDOW_TOLERANCE * window  # seconds: entries further apart than this may not meet
         self.due: Optional[float] = None      # wall-clock time of our next entry
@@ -178,14 +191,16 @@ class Clock:
         speed = self.speed(inner_step=inner_step, mono=mono)
         self.last_speed = speed if speed is not None else self.last_speed
         fields = {"due": self.due if self.due is not None else now, "speed": speed, "round": self.round,
-                  "dims": grid.dims_for(swarm_size, self.group_size)}
+                  "dims": grid.dims_for(swarm_size, self.group_size), "round_s": self.round_s}
         self._marks.append((mono, inner_step))
         return fields
 
-    def after_round(self, members: list[dict], *, full: bool) -> None:
+    def after_round(self, members: list[dict], *, full: bool, round_s: Optional[float] = None) -> None:
         """A group formed (applied or not): the next due time every member computes alike. A group
-        that did not hold every live peer may have left some out of phase: check the swarm's."""
+        that did not hold every live peer may have left some out of phase: check the swarm's.
+        round_s: how long the round took us (announced at our next entry)."""
         schedule = agreed(members, inner_steps=self.inner_steps)
+        self.round_s = round_s if _number(round_s) and round_s > 0 else self.round_s
         proposed = [m["dims"] for m in members if _integer(m.get("dims")) and 1 <= m["dims"] <= grid.MAX_DIMS]
         self.dims = statistics.median_low(proposed) if proposed else self.dims  # one odd member cannot move it
         if schedule is not None:
@@ -208,10 +223,11 @@ class Clock:
         self.in_phase = False
 
     def observe(self, records: dict) -> None:
-        """The swarm's period from its progress records: inner_steps at the median of the live peers' speeds."""
+        """The swarm's period from its progress records: inner_steps at the median of the live peers' speeds
+        (no shorter than ROUND_MARGIN x their median round's time)."""
         speeds = [r["speed"] for r in records.values() if _number(r.get("speed")) and r["speed"] > 0]
         if len(speeds) >= 2:
-            self.swarm_period = self.inner_steps / statistics.median(speeds)
+            self.swarm_period = _period(self.inner_steps, speeds, [r.get("round_s") for r in records.values()])
 
     def adopt(self, records: dict, *, now: float) -> bool:
         """Take the phase that most live peers hold (their progress records); True if ours moved."""
@@ -234,4 +250,4 @@ class Clock:
     def record(self) -> dict:
         """Our next due time and period, for the progress record (others adopt the phase from it)."""
         return {"due": self.due, "period": self.period, "round": self.round, "dims": self.dims,
-                "speed": self.last_speed}
+                "speed": self.last_speed, "round_s": self.round_s}

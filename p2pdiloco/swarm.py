@@ -181,7 +181,7 @@ LEGACY_DHT = set(filter(None, os.environ.get("P2PDILOCO_LEGACY_DHT", "").split("
 
 
 # What the peers read from each other's progress records, every few seconds: the schedule (due, period,
-# round, dims, speed), the grid (cell), the staleness check (outer_step), dynamic inner steps
+# round, dims, speed, round_s), the grid (cell), the staleness check (outer_step), dynamic inner steps
 # (tokens_per_s); and the numbers `monitor` plots, so that its curves keep the log interval's resolution.
 # A progress read returns all N records, and so does the search of every store of one (a DHT find
 # returns what each node it asks holds), so they hold these fields alone: ~200 bytes against ~425-600
@@ -189,7 +189,7 @@ LEGACY_DHT = set(filter(None, os.environ.get("P2PDILOCO_LEGACY_DHT", "").split("
 # status record under its own key, stored every STATUS_EVERY seconds and read by `status`, `monitor`,
 # the claims' first epoch and a restarting DHT only (docs/scale.md, "One compact record per peer").
 PROGRESS_FIELDS = ("outer_step", "inner_step", "tokens_per_s", "time", "due", "period", "round", "dims", "speed",
-                   "cell", "loss", "eval_loss", "group_size", "rounds_applied", "rounds_failed", "left")
+                   "round_s", "cell", "loss", "eval_loss", "group_size", "rounds_applied", "rounds_failed", "left")
 STATUS_EVERY = 30.0
 
 

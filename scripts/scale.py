@@ -403,6 +403,25 @@ def _preset_inner_steps() -> int:
     return int(flags[flags.index("--inner-steps") + 1])
 
 
+def line_whole_share(outer: list[dict], *, size: int, target: int) -> Optional[float]:
+    """The share of applied rounds (outer events with `grid` = [round, dims, cell]) whose group held every
+    live peer of its line, counting a line's used cells (index < size) on a grid of grid.side per dimension
+    (with one dimension: min(size, target), the group a swarm without a grid forms)."""
+    whole = counted = 0
+    for r in outer:
+        if not r.get("grid"):
+            continue
+        round_, dims, cell = r["grid"]
+        need = min(size, target)  # one dimension: one group of up to the target
+        if dims > 1:
+            side = grid.side(size, dims, target)
+            on_line = [[*cell[:round_ % dims], v, *cell[round_ % dims + 1:]] for v in range(side)]
+            need = sum(all(c < side for c in coords) and grid.cell_index(coords, side) < size for coords in on_line)
+        counted += 1
+        whole += r["group_size"] >= max(1, need)
+    return whole / counted if counted else None
+
+
 def swarm_stats(outer: dict, failed: dict, finals: dict, *, size: int, target: int, duration: float,
                 inner_steps: int) -> dict:
     """What the peers' metrics files say of a swarm run (peer -> its outer / round_failed events and
@@ -445,6 +464,9 @@ def swarm_stats(outer: dict, failed: dict, finals: dict, *, size: int, target: i
         "full_share_settled": sum(g >= line for g in settled) / len(settled) if settled else None,
         # the same over the second half of the rounds' span: a short run's settled share
         "full_share_second_half": sum(g >= line for g in late) / len(late) if late else None,
+        # with a grid: the groups that held every used cell of their line (cells 0..N-1 of a grid of grid.side
+        # per dimension), from each round's [round, dims, cell]; a grid of N < side**dims has short lines too
+        "line_whole_share": line_whole_share([r for rs in outer.values() for r in rs], size=size, target=target),
         "alone_share": alone / entries if entries else None,
         "steps_median": statistics.median(steps) if steps else None,
         "steps_max": steps[-1] if steps else None,  # a stalled schedule: contributions of many times H
@@ -537,7 +559,7 @@ def print_swarm(results: list[dict]) -> None:
           f"{'alone':>5} {'H +-10%':>7} {'max steps':>9} "
           f"{'rounds/min':>10} {'min':>5} {'round s':>8} {'p90':>6} {'failed':>6} {'applied':>7} "
           f"{'spread':>8} {'1st half':>8} {'2nd half':>8} {'eval':>6} {'DHT kB/peer/round':>18} {'/min':>7} "
-          f"{'start s':>8} {'ratio':>6} {'entry spread':>12} {'p90':>6} {'bans':>4}")
+          f"{'start s':>8} {'ratio':>6} {'entry spread':>12} {'p90':>6} {'bans':>4} {'whole lines':>11}")
     for r in results:
         print(f"{r['peers']:>5} {r.get('target_group_size', '-'):>5} {'yes' if r.get('grid') else 'no':>4} "
               f"{_num(r['group_size_mean'], 1):>10} {_num(r['group_size_max'], 0):>4} "
@@ -550,7 +572,8 @@ def print_swarm(results: list[dict]) -> None:
               f"{_num(r.get('spread_second_half'), 5):>8} {_num(r.get('final_eval_mean'), 3):>6} "
               f"{_num(r['dht_kb_per_peer_round'], 1):>18} {_num(r.get('dht_kb_per_peer_min'), 0):>7} "
               f"{r['start_s']:>8.0f} {_num(r.get('ratio'), 1):>6} {_num(r.get('entry_spread_median'), 2):>12} "
-              f"{_num(r.get('entry_spread_p90'), 2):>6} {_num(r.get('bans'), 0):>4}")
+              f"{_num(r.get('entry_spread_p90'), 2):>6} {_num(r.get('bans'), 0):>4} "
+              f"{_num(r.get('line_whole_share'), 2):>11}")
 
 
 def print_dht_breakdown(results: list[dict]) -> None:

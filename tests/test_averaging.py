@@ -101,6 +101,19 @@ def test_whoever_is_ready_forms_the_group():
         assert alone.average is None
 
 
+def test_the_group_key_stays_where_the_grid_set_it():
+    """hivemind shifts an averager's key bits by random ones after every assembled group; the grid's key
+    (grid.key_bits) must last until the grid moves it, or the next round searches under a key nobody else has."""
+    bits = "0010000110"  # a grid of 2 dims, free dimension 0, our other coordinate 2 (4 per line)
+    with peers(2, target_group_size=4) as (cfg, runners):
+        for r in runners:
+            r.averager.set_group_bits(bits)
+        futures = [r.start(torch.full((N,), float(i)), weight=1.0, gather={"i": i}) for i, r in enumerate(runners)]
+        for f in futures:
+            assert f.result(timeout=60).ok
+        assert [r.averager.get_group_bits() for r in runners] == [bits, bits]
+
+
 def test_a_member_vetoes_a_round_that_holds_a_peer_it_banned():
     """A ban refuses the banned peer's requests and its groups, but a third peer can lead a group that holds
     both: the member that banned it says False, and no member applies the round."""

@@ -59,7 +59,7 @@ def test_clock_through_rounds():
     clock = Clock(inner_steps=50, now=0.0, inner_step=0)
     assert clock.should_enter(now=1.0, inner_step=50) is None  # no schedule before a group formed
     gather = clock.announce(now=2.0, inner_step=50)
-    assert gather == {"due": 2.0, "speed": 25.0, "round": 0, "dims": 1}
+    assert gather == {"due": 2.0, "speed": 25.0, "round": 0, "dims": 1, "round_s": None}
     clock.after_round([gather, {"due": 2.2, "speed": 25.0}], full=True)
     assert (clock.due, clock.period) == pytest.approx((4.1, 2.0)) and clock.in_phase
     assert not clock.should_enter(now=3.9, inner_step=95)        # 0.2 s early: more than half a step
@@ -161,6 +161,27 @@ def test_a_due_time_missed_by_over_half_a_period_moves_to_the_nearest():
     assert clock.due == pytest.approx(6.0)
     assert not clock.should_enter(now=11.2, inner_step=260)           # a long freeze: 12.0, no burst
     assert clock.due == pytest.approx(12.0)
+
+
+def test_the_period_is_never_shorter_than_a_round():
+    """Fast compute, slow rounds: 8 steps in 1.5 s, rounds of 2 s. A period of 1.5 s leaves every round
+    running at its next due time, and the swarm split into halves on alternating due times (8 peers on a
+    grid, a ratio of 0.7); the period stretches to 1.25 rounds, and the contribution holds more steps."""
+    fast = [{"due": 10.0, "speed": 8 / 1.5, "round_s": t} for t in (1.9, 2.0, 2.4)]
+    due, period = agreed(fast, inner_steps=8)
+    assert period == pytest.approx(1.25 * 2.0) and due == pytest.approx(10.0 + period)
+    # rounds short beside H steps: the speed alone, as before
+    assert agreed([{**m, "round_s": 0.3} for m in fast], inner_steps=8)[1] == pytest.approx(1.5)
+    # one member's odd round time cannot stretch it (the median), and no round time yet: the speed alone
+    odd = [*fast[:2], {"due": 10.0, "speed": 8 / 1.5, "round_s": 1e9}, {"due": 10.0, "speed": 8 / 1.5, "round_s": 0.1}]
+    assert agreed(odd, inner_steps=8)[1] == pytest.approx(1.25 * 1.95)
+    assert agreed([{"due": 10.0, "speed": 8 / 1.5, "round_s": None}] * 2, inner_steps=8)[1] == pytest.approx(1.5)
+    # a clock announces its last round's time, and the swarm's period (records) takes the same floor
+    clock = Clock(inner_steps=8, now=0.0, inner_step=0, group_size=4)
+    clock.after_round(fast, full=True, round_s=2.1)
+    assert clock.announce(now=clock.due, inner_step=16)["round_s"] == 2.1 and clock.record()["round_s"] == 2.1
+    clock.observe({p: {"speed": 8 / 1.5, "round_s": 2.0} for p in "abc"})
+    assert clock.swarm_period == pytest.approx(2.5)
 
 
 def test_a_step_of_the_wall_clock_does_not_set_the_period():
