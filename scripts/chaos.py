@@ -444,11 +444,14 @@ def analyze(record: RunRecord) -> dict:
     last_eval: dict[str, Optional[float]] = {}
     kept_eval: dict[str, Optional[float]] = {}
     incarnations = {}
+    lives: dict[str, list[list[dict]]] = {}  # name -> its incarnations' round entries, for rounds_to_whole
     for name in names:
         path = workdir / name / "metrics.jsonl"
         records = read_metrics(path) if path.exists() else []
         records.sort(key=lambda r: r.get("time") or 0.0)
         incarnations[name] = len(record.starts[name])
+        lives[name] = [[r for r in inc if r.get("event") in ("outer", "round_failed") and _finite(r.get("entered"))
+                        and _finite(r.get("time"))] for inc in _incarnations(records, record.starts[name])]
         for inc in _incarnations(records, record.starts[name]):
             applied = sum(int(r.get("tokens") or 0) for r in inc if r.get("event") == "outer")
             tokens_applied += applied
@@ -484,6 +487,9 @@ def analyze(record: RunRecord) -> dict:
     live_evals = [last_eval[n] for n in record.alive_at_end if _finite(last_eval.get(n))]
     live_kept = [kept_eval[n] for n in record.alive_at_end if _finite(kept_eval.get(n))]
     reasons = Counter(_reason_key(r.get("reason", "")) for r in failed_all)
+    target = _target_group_size(workdir, names)
+    to_whole = rounds_to_whole(lives, _changes(record, lives), target) if target else []
+
     faults = Counter(f["kind"] for f in record.faults)
     return {
         "t_start_unix": record.t_start,
@@ -514,10 +520,64 @@ def analyze(record: RunRecord) -> dict:
                          statistics.median(live_evals) if live_evals else None,
                          statistics.median(live_kept) if live_kept else None),
         "anchor_spread": max(spreads) if spreads else None,
+        # after each kill, join and restart: rounds until a group holds every live peer (median surviving peer)
+        "rounds_to_whole": to_whole,
+        "changes_whole_within_2": sum(k is not None and k <= 2 for k in to_whole),
         "tokens_applied": tokens_applied,
         "tokens_computed": tokens_computed,
         "goodput": tokens_applied / tokens_computed if tokens_computed else None,
     }
+
+
+def rounds_to_whole(lives: dict[str, list[list[dict]]], changes: list[float], target: int) -> list[Optional[float]]:
+    """After each change of the swarm (a time of `changes`: a kill, or a joiner's or restarted peer's first
+    entry), how many rounds a peer that stays up enters until its first applied round whose group held every
+    live peer (up to `target`): the median over those peers; None when none got there. `lives`: name -> its
+    incarnations' entries (outer and round_failed events with `entered`), in time order. A peer is live from
+    an incarnation's first entry to its last event."""
+    spans = [(name, inc[0]["entered"], inc[-1]["time"]) for name, incs in lives.items() for inc in incs if inc]
+
+    def live(t: float) -> int:
+        return sum(start <= t <= end for _, start, end in spans)
+
+    out = []
+    for change in sorted(changes):
+        counts = []
+        for name, start, end in spans:
+            if not (start < change < end):  # up before the change and after it
+                continue
+            after = [r for inc in lives[name] for r in inc if r["time"] > change and start <= r["entered"] <= end]
+            whole = [i for i, r in enumerate(after, start=1)
+                     if r["event"] == "outer" and r["group_size"] >= min(target, live(r["entered"]))]
+            counts.append(whole[0] if whole else math.inf)
+        median = statistics.median(counts) if counts else None
+        out.append(None if median is None or math.isinf(median) else median)
+    return out
+
+
+def _target_group_size(workdir: Path, names: list[str]) -> Optional[int]:
+    """The peers' target_group_size, from the config a peer wrote into its log directory."""
+    for name in names:
+        try:
+            return int(json.loads((workdir / name / "config.json").read_text())["target_group_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def _changes(record: RunRecord, lives: dict[str, list[list[dict]]]) -> list[float]:
+    """The times the swarm changed: each kill, and the first entry of each incarnation started by a fault."""
+    out = []
+    for fault in record.faults:
+        at = record.t_start + fault["t"]
+        if fault["kind"] in ("kill", "kill_restart"):
+            out.append(at)
+        if fault["kind"] in ("join", "kill_restart"):  # the incarnation started after the fault
+            starts = sorted(record.starts.get(fault["name"], []))
+            later = [inc for start, inc in zip(starts, lives.get(fault["name"], [])) if start >= at and inc]
+            if later:
+                out.append(later[0][0]["entered"])
+    return out
 
 
 def checks(stats: dict, *, duration: float, min_outer: int, max_stall: float) -> dict[str, tuple[bool, str]]:
@@ -563,6 +623,9 @@ def table(stats: dict, baseline: Optional[dict]) -> str:
          f"{_fmt(stats['final_vs_last_whole'], '.3f')} ({stats['last_whole_outer_step']})"),
         ("the kept model (anchors' average): final eval (median, live peers); over the last whole group's anchor",
          f"{_fmt(stats.get('kept_eval_loss'), '.4f')}; {_fmt(stats.get('kept_vs_last_whole'), '.3f')}"),
+        ("kills, joins and restarts followed by a whole group within 2 rounds (rounds each took)",
+         f"{stats.get('changes_whole_within_2', '-')} of {len(stats.get('rounds_to_whole', []))} "
+         f"({', '.join('-' if k is None else f'{k:g}' for k in stats.get('rounds_to_whole', []))})"),
         ("bans; pseudo-gradients clipped hard (< 0.5)", f"{stats['bans']}; {stats['hard_clips']}"),
         ("weight the robust rule removed per round (mean / p90)",
          f"{_fmt(stats['removed_mean'], '.3f')} / {_fmt(stats['removed_p90'], '.3f')}"),

@@ -15,6 +15,28 @@ from tests.conftest import ROOT, make_corpus
 pytestmark = pytest.mark.chaos
 
 
+def _entry(t: float, size: int = 0) -> dict:
+    """A round entered at t and over 1 s later: applied in a group of `size`, or failed (size 0)."""
+    return {"event": "outer" if size else "round_failed", "entered": t, "time": t + 1.0, "group_size": size}
+
+
+def test_rounds_to_whole_counts_each_survivors_rounds_after_a_change():
+    """3 peers; c is killed at 20.5: a's round in flight fails, its next is whole (2 rounds), b's first is
+    whole (1); the median of 1 and 2. d joins at 40 and is in a's and b's groups 2 rounds later (b) and
+    never for a within the run. With one dimension, a group of every live peer up to the target."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import chaos
+    lives = {
+        "a": [[_entry(10, 3), _entry(20, 0), _entry(30, 2), _entry(40, 2), _entry(50, 2)]],
+        "b": [[_entry(10, 3), _entry(21, 2), _entry(30, 2), _entry(40, 2), _entry(50, 3)]],
+        "c": [[_entry(10, 3), _entry(19.4, 0)]],  # its last event before the kill
+        "d": [[_entry(40, 0), _entry(50, 3)]],
+    }
+    assert chaos.rounds_to_whole(lives, [20.5, 40.0], target=8) == [1.5, None]
+    # the target caps what a whole group holds: 2 of 3 live peers is whole at a target of 2
+    assert chaos.rounds_to_whole(lives, [40.0], target=2) == [1]
+
+
 @pytest.mark.timeout(300)
 def test_chaos_script_small_run(tmp_path):
     corpus = make_corpus(tmp_path / "corpus.txt")
@@ -37,7 +59,7 @@ def test_chaos_script_small_run(tmp_path):
 
     report = json.loads((workdir / "chaos.json").read_text())
     for key in ("faults", "rounds_applied", "rounds_failed", "longest_stall_s", "goodput", "tail_eval_loss",
-                "final_vs_last_whole", "kept_vs_last_whole", "hard_clips", "removed_mean"):
+                "final_vs_last_whole", "kept_vs_last_whole", "hard_clips", "removed_mean", "rounds_to_whole"):
         assert key in report, (key, sorted(report))
     assert math.isfinite(report["kept_eval_loss"]), report["kept_eval_loss"]  # the model the live peers keep
     assert report["bans"] == 0, "an honest peer was banned under churn"
