@@ -116,6 +116,16 @@ def _one_line_asyncio_report(record: logging.LogRecord) -> bool:
     return True
 
 
+def _one_line_stream_reset(record: logging.LogRecord) -> bool:
+    """A peer killed while it streamed requests to one of our handlers resets the connection: hivemind's p2p
+    layer takes a closed stream for the end of the requests (asyncio.IncompleteReadError) but logs a reset
+    with its traceback (a survivor of a SIGKILL mid-round, in the suite). One warning line."""
+    error = record.exc_info[1] if record.exc_info else None
+    if record.getMessage().startswith("Exception while receiving requests") and isinstance(error, ConnectionError):
+        _one_line(record, f"p2p: a peer's stream was cut while we read its requests, it left ({error})")
+    return True
+
+
 def _request_of_an_exited_process(record: logging.LogRecord) -> bool:
     """A DHT request, or a future's update, that carries a pipe end (hivemind's futures) and is read
     after its sender exited (at the end of a run): its pipe cannot be rebuilt. Nothing waits for the
@@ -151,6 +161,7 @@ def quiet_expected_events() -> None:
         "hivemind.dht.dht": (_request_of_an_exited_process,),
         "hivemind.utils.mpfuture": (_request_of_an_exited_process,),
         "asyncio": (_one_line_asyncio_report,),
+        "hivemind.p2p.p2p_daemon": (_one_line_stream_reset,),
     }
     for name, filters in rules.items():
         log = logging.getLogger(name)

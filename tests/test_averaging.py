@@ -524,3 +524,12 @@ def test_asyncio_reports_of_expected_stream_ends_are_one_warning_line():
     assert ended.levelname == "WARNING" and "a stream from a peer ended early" in ended.getMessage()
     other = report("Task exception was never retrieved", ValueError("a bug"))
     assert other.levelname == "ERROR" and other.exc_info is not None
+    # hivemind's p2p layer logs a stream reset by a killed peer as a warning with its traceback
+    reset = logging.LogRecord("hivemind.p2p.p2p_daemon", logging.WARNING, __file__, 1,
+                              "Exception while receiving requests:", (),
+                              (ConnectionResetError, ConnectionResetError(104, "Connection reset by peer"), None))
+    assert averaging._one_line_stream_reset(reset) and reset.exc_info is None
+    assert "a peer's stream was cut" in reset.getMessage() and "\n" not in reset.getMessage()
+    bug = logging.LogRecord("hivemind.p2p.p2p_daemon", logging.WARNING, __file__, 1,
+                            "Exception while receiving requests:", (), (ValueError, ValueError("a bug"), None))
+    assert averaging._one_line_stream_reset(bug) and bug.exc_info is not None
