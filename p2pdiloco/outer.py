@@ -647,7 +647,10 @@ class Rounds:
                 # a group that held every live peer leaves everyone in phase; a partial group, or one line of a
                 # grid, says nothing of the others' phase: look at the swarm's at the next read
                 whole = self.clock.dims <= 1 and len(outcome.members) >= self.swarm_size
-                self.clock.after_round(list(outcome.members.values()), full=whole, round_s=outcome.round_s)
+                # an applied round's time sets the period's floor (schedule.ROUND_MARGIN); a round that failed by a
+                # timeout (a frozen member: 8 s) would stretch the next period to 10 s
+                self.clock.after_round(list(outcome.members.values()), full=whole,
+                                       round_s=outcome.round_s if outcome.ok else None)
             else:
                 self.clock.after_no_group()
         # bad_contribution and reducer_check events; a peer that keeps attacking is banned (suspects.py)
