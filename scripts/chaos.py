@@ -450,9 +450,10 @@ def analyze(record: RunRecord) -> dict:
         records = read_metrics(path) if path.exists() else []
         records.sort(key=lambda r: r.get("time") or 0.0)
         incarnations[name] = len(record.starts[name])
+        incs = _incarnations(records, record.starts[name])
         lives[name] = [[r for r in inc if r.get("event") in ("outer", "round_failed") and _finite(r.get("entered"))
-                        and _finite(r.get("time"))] for inc in _incarnations(records, record.starts[name])]
-        for inc in _incarnations(records, record.starts[name]):
+                        and _finite(r.get("time"))] for inc in incs]
+        for inc in incs:
             applied = sum(int(r.get("tokens") or 0) for r in inc if r.get("event") == "outer")
             tokens_applied += applied
             tokens_computed += max(_tokens_computed(inc), applied)
@@ -489,7 +490,6 @@ def analyze(record: RunRecord) -> dict:
     reasons = Counter(_reason_key(r.get("reason", "")) for r in failed_all)
     target = _target_group_size(workdir, names)
     to_whole = rounds_to_whole(lives, _changes(record, lives), target) if target else []
-
     faults = Counter(f["kind"] for f in record.faults)
     return {
         "t_start_unix": record.t_start,
