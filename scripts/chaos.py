@@ -11,6 +11,8 @@ Peer p0 starts the swarm; p1..pN-1 join through a random live peer. Every ~fault
     kill           SIGKILL of a live peer's whole process group (trainer, DHT, averager, p2pd); it stays dead
     kill_restart   the same, then 3-8 s later the same name restarts with the same flags through a live peer
     join           a killed peer comes back, or a peer with a new name joins
+    freeze         with --freeze S only: SIGSTOP of a live peer's whole process group, SIGCONT S seconds later
+                   (a machine suspended past a round; without --freeze a seed draws the same faults as before)
 
 At least 2 peers stay up (no kill unless 3 or more are up, i.e. started and listening) and at most
 peers + 2 run. Flags after `--` go to every peer. At the end: a markdown table (faults, rounds
@@ -43,7 +45,7 @@ from p2pdiloco.localswarm import LocalSwarm  # noqa: E402
 from p2pdiloco.metrics import read_metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-FAULT_KINDS = ("kill", "kill_restart", "join")
+FAULT_KINDS = ("kill", "kill_restart", "join", "freeze")
 RESTART_DELAY = (3.0, 8.0)  # seconds between the kill and the restart of a kill_restart
 STOP_TIMEOUT = 30.0  # stop_all: SIGTERM, then SIGKILL of what is left after this many seconds
 SAFETY_MARGIN = 120.0  # every peer gets --max-time so that nothing outlives a killed runner by long
@@ -118,7 +120,7 @@ class MetricsTail:
 
 class Runner:
     def __init__(self, swarm: LocalSwarm, record: RunRecord, *, rng, peers: int, duration: float,
-                 fault_every: float, args_for, print_every: float, label: str, chaos: bool):
+                 fault_every: float, args_for, print_every: float, label: str, chaos: bool, freeze_s: float = 0.0):
         self.swarm, self.record, self.rng = swarm, record, rng
         self.initial = peers
         self.max_peers = peers + 2
@@ -128,6 +130,8 @@ class Runner:
         self.print_every = print_every
         self.label = label
         self.chaos = chaos
+        self.freeze_s = freeze_s
+        self.frozen: dict[str, float] = {}  # name -> monotonic time of its SIGCONT
         self.alive: set[str] = set()
         self.dead: set[str] = set()  # killed (or exited by themselves), may come back through `join`
         self.pending: list[tuple[float, str]] = []  # (monotonic time, name) to start
@@ -235,6 +239,15 @@ class Runner:
                 self.forget(name)
                 self.dead.add(name)
 
+    def thaw(self, now: float = math.inf) -> None:
+        """SIGCONT to the frozen peers whose time is up (all of them by default: before the stop)."""
+        for name, at in list(self.frozen.items()):
+            if at <= now:
+                del self.frozen[name]
+                if name in self.swarm.peers:
+                    self.swarm.signal(name, signal.SIGCONT, whole_group=True)
+                    self.say(f"thawed {name}")
+
     def run_pending(self, now: float) -> None:
         for item in sorted(self.pending):
             at, name = item
@@ -243,14 +256,16 @@ class Runner:
                 self.say(f"started {name} (alive {len(self.alive)})")
 
     def inject(self) -> None:
-        alive = sorted(self.alive)
+        alive = sorted(self.alive - set(self.frozen))  # a frozen peer is neither killed nor frozen again
         kinds = []
         # "alive" for the floor of 2 means up (multiaddrs written): a peer still starting cannot be
         # joined through, and killing the last working peers would leave the starters nothing to join
         if len(alive) > 2 and len(self.ready()) > 2:
             kinds += ["kill", "kill_restart"]
-        if len(alive) + len(self.pending) < self.max_peers:
+        if len(self.alive) + len(self.pending) < self.max_peers:
             kinds.append("join")
+        if self.freeze_s > 0 and len(alive) > 2 and len(self.ready()) > 2:  # last: without it, the same draws
+            kinds.append("freeze")
         if not kinds:
             return
         kind = self.rng.choice(kinds)
@@ -265,6 +280,11 @@ class Runner:
             else:
                 self.dead.add(name)
                 note = "stays dead"
+        elif kind == "freeze":
+            name = self.rng.choice(alive)
+            self.swarm.signal(name, signal.SIGSTOP, whole_group=True)
+            self.frozen[name] = time.monotonic() + self.freeze_s
+            note = f"SIGCONT in {self.freeze_s:g}s"
         else:
             dead = sorted(self.dead)
             if dead and self.rng.random() < 0.5:
@@ -274,7 +294,8 @@ class Runner:
                 self.next_index += 1
             self.dead.discard(name)
             self.pending.append((time.monotonic(), name))
-        self.record.faults.append({"t": t, "kind": kind, "name": name})
+        self.record.faults.append({"t": t, "kind": kind, "name": name,
+                                   **({"for_s": self.freeze_s} if kind == "freeze" else {})})
         self.say(f"fault {kind} {name}: {note} (alive {len(self.alive)})")
 
     def loop(self) -> None:
@@ -288,6 +309,7 @@ class Runner:
             time.sleep(min(1.0, max(0.0, self.end - now)))
             now = time.monotonic()
             self.poll_metrics()
+            self.thaw(now)
             self.check_exits()
             if now < self.end:
                 self.run_pending(now)
@@ -310,17 +332,18 @@ class Runner:
 
 def run_swarm(workdir: Path, *, peers: int, duration: float, fault_every: float, seed: int, config: str,
               common: list[str], extra: list[str], flags: dict, print_every: float, chaos: bool,
-              label: str) -> RunRecord:
+              label: str, freeze_s: float = 0.0) -> RunRecord:
     record = RunRecord(workdir=workdir)
     with LocalSwarm(workdir, config=config, extra_args=extra) as swarm:
         runner = Runner(swarm, record, rng=random.Random(seed), peers=peers, duration=duration,
-                        fault_every=fault_every, print_every=print_every, label=label, chaos=chaos,
+                        fault_every=fault_every, print_every=print_every, label=label, chaos=chaos, freeze_s=freeze_s,
                         args_for=lambda name: [*base_peer_args(name, workdir, flags), *common])
         try:
             runner.start_initial()
             runner.say(f"{peers} peers started; p0 at {swarm.maddr('p0')}")
             runner.loop()
         finally:
+            runner.thaw()  # a stopped process cannot honour the SIGTERM
             if not record.t_end:
                 record.t_end = time.time()
             record.stop_codes = swarm.stop_all(timeout=STOP_TIMEOUT)
@@ -566,12 +589,15 @@ def _target_group_size(workdir: Path, names: list[str]) -> Optional[int]:
 
 
 def _changes(record: RunRecord, lives: dict[str, list[list[dict]]]) -> list[float]:
-    """The times the swarm changed: each kill, and the first entry of each incarnation started by a fault."""
+    """The times the swarm changed: each kill, each frozen peer's SIGCONT, and the first entry of each
+    incarnation started by a fault."""
     out = []
     for fault in record.faults:
         at = record.t_start + fault["t"]
         if fault["kind"] in ("kill", "kill_restart"):
             out.append(at)
+        if fault["kind"] == "freeze" and at + fault["for_s"] < record.t_end:
+            out.append(at + fault["for_s"])
         if fault["kind"] in ("join", "kill_restart"):  # the incarnation started after the fault
             starts = sorted(record.starts.get(fault["name"], []))
             later = [inc for start, inc in zip(starts, lives.get(fault["name"], [])) if start >= at and inc]
@@ -602,7 +628,8 @@ def table(stats: dict, baseline: Optional[dict]) -> str:
     f = stats["faults"]
     reasons = "; ".join(f"`{r}` ×{n}" for r, n in stats["top_failure_reasons"]) or "-"
     rows = [
-        ("faults injected", f"{f['total']} (kill {f['kill']}, kill_restart {f['kill_restart']}, join {f['join']})"),
+        ("faults injected", f"{f['total']} (kill {f['kill']}, kill_restart {f['kill_restart']}, join {f['join']}, "
+                            f"freeze {f.get('freeze', 0)})"),
         ("peers exited by themselves", str(len(stats["unexpected_exits"]))),
         ("peers not stopping cleanly at the end", str(len(stats["unclean_stops"]))),
         ("rounds applied (outer events, all peers)", str(stats["rounds_applied"])),
@@ -623,7 +650,7 @@ def table(stats: dict, baseline: Optional[dict]) -> str:
          f"{_fmt(stats['final_vs_last_whole'], '.3f')} ({stats['last_whole_outer_step']})"),
         ("the kept model (anchors' average): final eval (median, live peers); over the last whole group's anchor",
          f"{_fmt(stats.get('kept_eval_loss'), '.4f')}; {_fmt(stats.get('kept_vs_last_whole'), '.3f')}"),
-        ("kills, joins and restarts followed by a whole group within 2 rounds (rounds each took)",
+        ("kills, joins, restarts and thaws followed by a whole group within 2 rounds (rounds each took)",
          f"{stats.get('changes_whole_within_2', '-')} of {len(stats.get('rounds_to_whole', []))} "
          f"({', '.join('-' if k is None else f'{k:g}' for k in stats.get('rounds_to_whole', []))})"),
         ("bans; pseudo-gradients clipped hard (< 0.5)", f"{stats['bans']}; {stats['hard_clips']}"),
@@ -701,6 +728,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--baseline", action="store_true", help="then a fault-free swarm in WORKDIR/baseline")
     parser.add_argument("--max-stall", type=float, default=60.0, help="longest stall that passes (s)")
     parser.add_argument("--min-outer-steps", type=int, default=3, help="outer step to reach in a run >= 60 s")
+    parser.add_argument("--freeze", type=float, default=0.0, metavar="S",
+                        help="also draw freezes: SIGSTOP of a live peer for S seconds (0: no freezes, the default)")
     parser.add_argument("--print-every", type=float, default=15.0)
     parser.add_argument("--reanalyze", action="store_true",
                         help="run nothing: add this version's measures to WORKDIR/chaos.json and print its table")
@@ -709,6 +738,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--peers must be >= 2")
     if args.duration <= 0 or args.fault_every <= 0:
         parser.error("--duration and --fault-every must be positive")
+    if not 0 <= args.freeze <= 60:  # also false for nan
+        parser.error("--freeze must be between 0 and 60 seconds")
 
     if args.reanalyze:
         return reanalyze(Path(args.workdir).resolve())
@@ -726,7 +757,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                   config=args.config, common=common, extra=extra, flags=flags, print_every=args.print_every)
 
     try:
-        record = run_swarm(workdir, chaos=True, label="chaos", **run_kw)
+        record = run_swarm(workdir, chaos=True, label="chaos", freeze_s=args.freeze, **run_kw)
         stats = analyze(record)
         baseline = None
         if args.baseline:

@@ -37,13 +37,25 @@ def test_rounds_to_whole_counts_each_survivors_rounds_after_a_change():
     assert chaos.rounds_to_whole(lives, [40.0], target=2) == [1]
 
 
+def test_a_frozen_peers_thaw_is_a_change_of_the_swarm():
+    """A freeze changes the swarm when the peer comes back (its SIGCONT), not when it stops: from then on
+    a whole group holds it again. A thaw after the run's end is no change."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import chaos
+    record = chaos.RunRecord(workdir=ROOT, t_start=100.0, t_end=200.0,
+                             faults=[{"t": 10.0, "kind": "freeze", "name": "a", "for_s": 5.0},
+                                     {"t": 30.0, "kind": "kill", "name": "b"},
+                                     {"t": 98.0, "kind": "freeze", "name": "c", "for_s": 5.0}])
+    assert chaos._changes(record, {}) == [115.0, 130.0]
+
+
 @pytest.mark.timeout(300)
 def test_chaos_script_small_run(tmp_path):
     corpus = make_corpus(tmp_path / "corpus.txt")
     workdir = tmp_path / "chaos"
     cmd = [sys.executable, str(ROOT / "scripts" / "chaos.py"), "--peers", "3", "--duration", "35",
            "--fault-every", "10", "--seed", "3", "--workdir", str(workdir), "--data", str(corpus),
-           "--", "--inner-steps", "30"]
+           "--freeze", "3", "--", "--inner-steps", "30"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out, _ = proc.communicate(timeout=240)
@@ -64,7 +76,7 @@ def test_chaos_script_small_run(tmp_path):
     assert math.isfinite(report["kept_eval_loss"]), report["kept_eval_loss"]  # the model the live peers keep
     assert report["bans"] == 0, "an honest peer was banned under churn"
     assert report["faults"]["total"] >= 1, report["fault_log"]
-    assert sum(report["faults"][k] for k in ("kill", "kill_restart", "join")) == report["faults"]["total"]
+    assert sum(report["faults"][k] for k in ("kill", "kill_restart", "join", "freeze")) == report["faults"]["total"]
     assert report["rounds_applied"] >= 1, out[-4000:]
     assert 0 < report["goodput"] <= 1, report["goodput"]
     assert report["ok"] is True

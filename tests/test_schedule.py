@@ -243,12 +243,16 @@ def test_four_peers_meet_on_the_schedule_and_survivors_keep_it_after_a_kill(tmp_
         swarm.start_bootstrap("boot")
         for name in names:
             swarm.start(name, join="boot")
-        swarm.wait_for(lambda: all(len(swarm.events(n, "outer")) >= 7 for n in names), timeout=120,
-                       what="7 outer steps on every peer")
+        # 8 rounds counted: with 6, one peer that missed two due times on a loaded CI machine failed the bound
+        # (4 of 6 whole, CI of 3a72dde); by hand, a peer frozen 4 s past a due time missed one round, not two
+        swarm.wait_for(lambda: all(len(swarm.events(n, "outer")) >= 9 for n in names), timeout=120,
+                       what="9 outer steps on every peer")
         tokens_per_step = 16 * 64
+        seen = {n: ([r["group_size"] for r in swarm.events(n, "outer")],
+                    [r["reason"][:60] for r in swarm.events(n, "round_failed")]) for n in names}
         for name in names:
             outer = swarm.events(name, "outer")[1:]  # the first round forms before there is a schedule
-            assert _full_rounds(outer, 4) >= 0.75, [r["group_size"] for r in outer]
+            assert _full_rounds(outer, 4) >= 0.75, seen
             steps = sorted(r["tokens"] / tokens_per_step for r in outer if r["group_size"] == 4)
             # without the schedule the median was H plus the wait for the group: ~1.4-1.6x H
             assert 0.8 * H <= steps[len(steps) // 2] <= 1.25 * H, steps
