@@ -126,6 +126,7 @@ def test_sigkill_mid_allreduce_never_applies_partial(swarm):
         assert "Traceback" not in swarm.stderr(n, tail=1 << 30), swarm.stderr(n, tail=3000)
 
 
+@pytest.mark.timeout(420)  # up to 5 tries of the freeze (below)
 def test_sigstop_longer_than_allreduce_timeout_then_catch_up_by_merge(swarm):
     start_three(swarm)
     c_id = swarm.events("c", "outer")[-1]["peer"][-6:]
@@ -137,8 +138,11 @@ def test_sigstop_longer_than_allreduce_timeout_then_catch_up_by_merge(swarm):
     # other survivor's verdict names it) and stop counting it at once (its record lives 15 s). The SIGSTOP must
     # land in the middle of a round: a round of this model lasts about a second and the test reads the logs
     # every 0.25 s, so it can land once the round is over (CI saw it: nobody then saw c vanish from a round,
-    # and the survivors waited for c's record to expire). Then c is woken and its next round tried, 3 at most
-    for attempt in range(3):
+    # and the survivors waited for c's record to expire). Then c is woken and its next round tried, 5 at most:
+    # in CI at 846f870 all 3 tries missed: one landed after c's round was over, and in two a survivor did not
+    # name c (a round whose reducer dropped c after c had sent all its parts, and one that ran into
+    # allreduce_timeout, report no lost member: docs/chaos.md, "Who a failed round names")
+    for attempt in range(5):
         entered = len(swarm.events("c", "allreduce_started"))
         swarm.wait_for(lambda: len(swarm.events("c", "allreduce_started")) > entered, timeout=60,
                        what="c's next round")
@@ -150,7 +154,7 @@ def test_sigstop_longer_than_allreduce_timeout_then_catch_up_by_merge(swarm):
                            what="both survivors name c lost")
             break
         except TimeoutError:
-            if attempt == 2:
+            if attempt == 4:
                 raise
             swarm.signal("c", signal.SIGCONT)
     try:
