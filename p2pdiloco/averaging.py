@@ -64,6 +64,7 @@ logger = logging.getLogger(__name__)
 
 ALLREDUCE_PIECE = 2**22  # values per tensor handed to hivemind's all-reduce (16 MB in fp32)
 ALLREDUCE_FAILED = "Unable to run All-Reduce"  # hivemind's message for a round that failed once formed
+JOIN_LINGER_S = 5.0  # the longest a leader keeps a join stream open after its last answer (rpc_join_group)
 ABSTAIN = "abstain"  # verdict of a member whose own contribution was excluded: it does not apply, others may
 
 
@@ -317,12 +318,18 @@ class DilocoAverager(StateSharing, ShardSharing, hivemind.DecentralizedAverager)
         if self._secret and not self._knows_secret(request.gather, str(context.remote_id)):
             logger.warning(f"refused a join request from {context.remote_id}: no valid run-secret token")
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-            return
-        if str(context.remote_id) in self._banned:  # banned by this peer (suspects.py): no log line per request
+        elif str(context.remote_id) in self._banned:  # banned by this peer (suspects.py): no log line per request
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-            return
-        async for response in super().rpc_join_group(request, context):
-            yield response
+        else:
+            async for response in super().rpc_join_group(request, context):
+                yield response
+        # Our answers are all sent; the follower, not us, closes the stream. When we closed it first, one
+        # BEGIN_ALLREDUCE in about 150 never reached its follower (8 paced peers): the follower read the end
+        # of the stream instead, waited out its deadline ("no group") outside a group whose 7 others waited
+        # for its parts ("incomplete round"), and the round was lost for all. The last message is dropped
+        # between the two p2pd daemons, as an all-reduce reply was (allreduce.py, _parts_then_hold).
+        # hivemind's p2p layer cancels this handler as soon as the follower closes its end.
+        await asyncio.sleep(JOIN_LINGER_S)
 
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
@@ -356,8 +363,10 @@ class DilocoAverager(StateSharing, ShardSharing, hivemind.DecentralizedAverager)
         return isinstance(token, str) and hmac.compare_digest(token, peer_token(self._secret, peer_id))
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
-        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        report = self._reports.pop(group_info.group_id, None)
+        try:
+            gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        finally:  # a failed round's report too (hivemind raises, or allreduce_timeout cancels us): nothing reads it
+            report = self._reports.pop(group_info.group_id, None)
         if report is None:
             report = RoundReport(group_id=group_info.group_id.hex(), complete=False, reason="no report")
         return {"gathered": {str(k): v for k, v in gathered.items()}, "report": report}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
@@ -13,6 +14,7 @@ import weakref
 import hivemind
 import pytest
 import torch
+from hivemind.proto import averaging_pb2
 
 from p2pdiloco import allreduce, averaging, robust
 from p2pdiloco.averaging import DilocoAverager, RoundRunner
@@ -99,6 +101,35 @@ def test_whoever_is_ready_forms_the_group():
         alone = runners[2].start(torch.ones(N), weight=1.0, gather={"i": 2}).result(timeout=60)
         assert not alone.ok and "no group" in alone.reason
         assert alone.average is None
+
+
+def test_a_leader_leaves_the_join_stream_for_its_follower_to_close():
+    """The side of a p2pd stream that closes first can take the last message with it (a BEGIN_ALLREDUCE lost
+    that way lost a round for a group of 8): a leader's last answer leaves the stream open until the asking
+    peer closes it, or JOIN_LINGER_S has passed."""
+
+    async def ask(dht, leader, prefix):
+        p2p = await dht.replicate_p2p()
+        stub = DilocoAverager.get_stub(p2p, leader, namespace=prefix)
+        stream = await stub.rpc_join_group(averaging_pb2.JoinRequest(schema_hash=b"x", expiration=1e12))
+        try:
+            first = await asyncio.wait_for(stream.__anext__(), 10)
+            t0 = time.monotonic()
+            try:  # the stream ends on its own only after the linger
+                await asyncio.wait_for(stream.__anext__(), 1.0)
+            except StopAsyncIteration:
+                return first.code, time.monotonic() - t0
+            except asyncio.TimeoutError:
+                return first.code, None
+            return first.code, -1.0  # a second answer: not a rejection
+        finally:
+            await stream.aclose()
+
+    with peers(2) as (cfg, runners):
+        leader = runners[0].averager
+        code, ended_after = asyncio.run(ask(runners[1].dht, leader.peer_id, leader.prefix))
+    assert code == averaging_pb2.NOT_LOOKING_FOR_GROUP  # nobody is looking: the answer is a rejection
+    assert ended_after is None, f"the leader ended the stream {ended_after:.2f} s after its last answer"
 
 
 def test_the_group_key_stays_where_the_grid_set_it():
