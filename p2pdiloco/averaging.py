@@ -323,12 +323,12 @@ class DilocoAverager(StateSharing, ShardSharing, hivemind.DecentralizedAverager)
         else:
             async for response in super().rpc_join_group(request, context):
                 yield response
-        # Our answers are all sent; the follower, not us, closes the stream. When we closed it first, one
-        # BEGIN_ALLREDUCE in about 150 never reached its follower (8 paced peers): the follower read the end
-        # of the stream instead, waited out its deadline ("no group") outside a group whose 7 others waited
-        # for its parts ("incomplete round"), and the round was lost for all. The last message is dropped
-        # between the two p2pd daemons, as an all-reduce reply was (allreduce.py, _parts_then_hold).
-        # hivemind's p2p layer cancels this handler as soon as the follower closes its end.
+        # Our answers are all sent; the follower, not us, closes the stream. When we closed it first, a
+        # BEGIN_ALLREDUCE now and then never reached its follower (3 rounds of about 215 of 8 paced peers,
+        # docs/scale.md): the follower read the end of the stream instead, waited out its deadline ("no
+        # group") outside a group whose 7 others waited for its parts ("incomplete round"), and the round was
+        # lost for all. The last message is dropped between the two p2pd daemons, as an all-reduce reply was
+        # (allreduce.py, _parts_then_hold). hivemind's p2p layer cancels this handler once the follower closes.
         await asyncio.sleep(JOIN_LINGER_S)
 
     async def rpc_download_state(

@@ -109,21 +109,24 @@ def test_a_leader_leaves_the_join_stream_for_its_follower_to_close():
     peer closes it, or JOIN_LINGER_S has passed."""
 
     async def ask(dht, leader, prefix):
-        p2p = await dht.replicate_p2p()
-        stub = DilocoAverager.get_stub(p2p, leader, namespace=prefix)
-        stream = await stub.rpc_join_group(averaging_pb2.JoinRequest(schema_hash=b"x", expiration=1e12))
+        p2p = await dht.replicate_p2p()  # a connection to the DHT's p2pd daemon (its shutdown leaves the daemon)
         try:
-            first = await asyncio.wait_for(stream.__anext__(), 10)
-            t0 = time.monotonic()
-            try:  # the stream ends on its own only after the linger
-                await asyncio.wait_for(stream.__anext__(), 1.0)
-            except StopAsyncIteration:
-                return first.code, time.monotonic() - t0
-            except asyncio.TimeoutError:
-                return first.code, None
-            return first.code, -1.0  # a second answer: not a rejection
+            stub = DilocoAverager.get_stub(p2p, leader, namespace=prefix)
+            stream = await stub.rpc_join_group(averaging_pb2.JoinRequest(schema_hash=b"x", expiration=1e12))
+            try:
+                first = await asyncio.wait_for(stream.__anext__(), 10)
+                t0 = time.monotonic()
+                try:  # the stream ends on its own only after the linger
+                    await asyncio.wait_for(stream.__anext__(), 1.0)
+                except StopAsyncIteration:
+                    return first.code, time.monotonic() - t0
+                except asyncio.TimeoutError:
+                    return first.code, None
+                return first.code, -1.0  # a second answer: not a rejection
+            finally:
+                await stream.aclose()
         finally:
-            await stream.aclose()
+            await p2p.shutdown()
 
     with peers(2) as (cfg, runners):
         leader = runners[0].averager
