@@ -391,9 +391,12 @@ class Rounds:
 
     def _full_group(self) -> int:
         """How many members a full group holds: every live peer up to target_group_size, or with a grid
-        a whole line of it (grid.side: about N**(1/dims))."""
+        the used cells of our line (grid.line_size: about N**(1/dims), fewer on a short line)."""
         if self.clock is not None and self.cfg.grid and self.clock.dims > 1:
-            return grid.side(self.swarm_size, self.clock.dims, self.cfg.target_group_size)
+            coords = grid.fit(self.grid_coords or [], self.clock.dims, self.cfg.target_group_size, self.peer_id,
+                              self._grid_peers())
+            return grid.line_size(coords, round_=self.clock.round, dims=self.clock.dims,
+                                  size=self.cfg.target_group_size, live=self.swarm_size)
         return min(self.cfg.target_group_size, self.swarm_size)
 
     def _enter_line(self) -> tuple[Optional[tuple], Optional[str]]:
@@ -404,7 +407,7 @@ class Rounds:
         if not self.cfg.grid:
             return None, None
         size, dims = self.cfg.target_group_size, self.clock.dims
-        self.grid_coords = coords = grid.fit(self.grid_coords or [], dims, size, self.peer_id)
+        self.grid_coords = coords = grid.fit(self.grid_coords or [], dims, size, self.peer_id, self._grid_peers())
         bits = grid.key_bits(coords, round_=self.clock.round, dims=dims, size=size)
         changed = bits != self.group_bits
         self.group_bits = bits
@@ -415,18 +418,20 @@ class Rounds:
         peers fill (grid.settle), by the cells in the records of peers at our round."""
         size, dims = self.cfg.target_group_size, self.clock.dims
         cells = grid.cells_of(records, me=self.peer_id, round_=self.clock.round, dims=dims, size=size)
-        coords = grid.fit(self.grid_coords or [], dims, size, self.peer_id)
+        coords = grid.fit(self.grid_coords or [], dims, size, self.peer_id, self._grid_peers())
         self.grid_coords = grid.settle(self.peer_id, coords, cells, live=self.swarm_size, dims=dims, size=size,
                                        salt=self.clock.round)
 
-    def _leave_line(self, pending: PendingRound, members: list[str]) -> None:
-        """A group formed on our line: our coordinate along its free dimension becomes our index in
-        it (Moshpit's re-indexing), so the next lines each hold one member of this one."""
+    def _leave_line(self, pending: PendingRound, members: dict) -> None:
+        """A group formed on our line (members: peer id -> its gather): the coordinates the members held
+        along its free dimension are dealt out again (grid.reindex, Moshpit's re-indexing), so the next
+        lines each hold one member of this one."""
         if pending.grid is None or self.peer_id not in members:
             return
         round_, dims, coords = pending.grid
-        index = min(members.index(self.peer_id), self.cfg.target_group_size - 1)
-        self.grid_coords = grid.regroup(coords, round_=round_, dims=dims, index=index)
+        cells = {peer: gather.get("cell") if isinstance(gather, dict) else None for peer, gather in members.items()}
+        self.grid_coords = grid.reindex(coords, round_=round_, dims=dims, size=self.cfg.target_group_size,
+                                        me=self.peer_id, cells=cells)
 
     def _check_swarm_outer_step(self) -> None:
         """Blocking read of the swarm's outer step (after a freeze, before the next contribution)."""
@@ -440,7 +445,12 @@ class Rounds:
     def _count_swarm(self) -> None:
         """The live peers we can group with: those with a progress record, ourselves, none we banned and none
         that vanished from a round of ours without publishing since."""
-        self.swarm_size = len((self.live_peers - self.suspects.banned() - set(self.gone)) | {self.peer_id})
+        self.swarm_size = len(self._grid_peers())
+
+    def _grid_peers(self) -> set:
+        """The live peers we can group with (_count_swarm), ourselves included: a first cell of the grid is our
+        rank among them (grid.place)."""
+        return (self.live_peers - self.suspects.banned() - set(self.gone)) | {self.peer_id}
 
     def _note_gone(self, peers: list) -> None:
         """Members that vanished from our round (their parts or their verdict never came)."""
@@ -508,6 +518,8 @@ class Rounds:
         line = late = bits = None
         if self.clock is not None:  # our due time and speed: the group derives its next due time from them
             line, bits = self._enter_line()
+            if line is not None:  # our cell, for the members to deal out the line's cells after the round
+                gather["cell"] = list(line[2])
             gather.update(self.clock.announce(now=time.time(), inner_step=self.inner_step, swarm_size=self.swarm_size,
                                               mono=time.monotonic()))
             late = time.time() - gather["due"]
@@ -643,7 +655,7 @@ class Rounds:
         tokens, weight, age = pending.tokens, pending.weight, pending.age
         if self.clock is not None:  # every member of a formed group leaves it with the same next due time
             if outcome.members:
-                self._leave_line(pending, sorted(outcome.members))
+                self._leave_line(pending, outcome.members)
                 # a group that held every live peer leaves everyone in phase; a partial group, or one line of a
                 # grid, says nothing of the others' phase: look at the swarm's at the next read
                 whole = self.clock.dims <= 1 and len(outcome.members) >= self.swarm_size

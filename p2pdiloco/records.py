@@ -40,7 +40,7 @@ class SwarmRecords:
         self._read_asked = False
         self._found: Optional[dict] = None  # the last read, not yet taken
         self._closed = False
-        self._announced = time.monotonic()
+        self._announced = self._started = time.monotonic()
         self._published_at = self._status_published_at = self._read_at = -math.inf
         self._status_news = None  # what our last status record said that status must show at once
         # whom we ping when a read shows nobody else (swarm.rejoin): the others our reads showed and the initial
@@ -105,7 +105,7 @@ class SwarmRecords:
         if self.claims is not None:
             self.claims.renew()
             self.shard_source.announce()
-        every = swarm.progress_read_every(cfg, self.swarm_size())
+        every = self._every()
         if time.monotonic() - self._published_at >= 0.9 * every or "stores" in swarm.LEGACY_DHT:
             swarm.publish_progress(self.dht, cfg, record, every=every)
             self._published_at = time.monotonic()
@@ -117,13 +117,18 @@ class SwarmRecords:
 
     def _read(self, *, force: bool) -> None:
         now = time.monotonic()  # a big swarm's records are read less often
-        if not force and now - self._read_at < 0.9 * swarm.progress_read_every(self.cfg, self.swarm_size()):
+        if not force and now - self._read_at < 0.9 * self._every():
             return
         self._read_at = now
         found = swarm.read_progress(self.dht, self.cfg, timeout=10.0)
         with self._lock:
             self._found = found
         self._keep_in_touch(found)
+
+    def _every(self) -> float:
+        """Seconds between our stores of our progress record and our reads of everyone's (a new peer's grow
+        with its age: swarm.progress_read_every)."""
+        return swarm.progress_read_every(self.cfg, self.swarm_size(), age=time.monotonic() - self._started)
 
     def _keep_in_touch(self, found: dict) -> None:
         """A read that shows nobody else while we knew of others: our DHT may have lost them all (a

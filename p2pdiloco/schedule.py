@@ -101,8 +101,8 @@ def swarm_phase(records: dict, *, now: float, tolerance: float = PHASE_TOLERANCE
 
 
 def _phase(records: dict, *, now: float, tolerance: float, max_gap: float):
-    """swarm_phase's (due, period), with the round number and grid dimensions of the record chosen
-    (its round carried forward by the same whole periods as its due time)."""
+    """swarm_phase's (due, period), with the grid dimensions of the record chosen and the round number
+    most of the phase's holders give (each carried forward by the same whole periods as its due time)."""
     phases = []
     for peer, record in sorted(records.items()):
         due, period = record.get("due"), record.get("period")
@@ -112,20 +112,36 @@ def _phase(records: dict, *, now: float, tolerance: float, max_gap: float):
         round_, dims = record.get("round"), record.get("dims")
         round_ = round_ + ahead if _integer(round_) else None
         dims = dims if _integer(dims) and 1 <= dims <= grid.MAX_DIMS else None
-        phases.append((peer, due + ahead * period, period, round_, dims))
+        phases.append((peer, due + ahead * period, period, round_, dims, ahead))
     if not phases:
         return None
 
-    def holders(phase) -> int:
-        _, due, period, _, _ = phase
-        count = 0
-        for _, other, _, _, _ in phases:
-            gap = (other - due) % period
-            count += min(gap, period - gap) <= min(tolerance * period, max_gap)
-        return count
+    def holding(phase) -> list:
+        _, due, period, _, _, _ = phase
+        out = []
+        for other in phases:
+            gap = (other[1] - due) % period
+            if min(gap, period - gap) <= min(tolerance * period, max_gap):
+                out.append(other)
+        return out
 
     # most holders; on a tie, the smallest peer id (phases are sorted by peer id, max keeps the first)
-    return max(phases, key=holders)[1:]
+    chosen = max(phases, key=lambda phase: len(holding(phase)))
+    _, due, period, round_, dims, _ = chosen
+    # the round number most of its holders give it, each carried to this due time; on a tie the freshest
+    # record's (carried forward by the fewest periods). One record's number is not enough: a record read 64 s
+    # late (256 peers) and carried forward by the period of its time, 10 s against 13 s now, numbered the
+    # round 2 off, and a peer that took it met another dimension of the grid than its line did
+    votes = collections.Counter()
+    freshest = {}
+    for _, other_due, _, other_round, _, ahead in holding(chosen):
+        if other_round is not None:
+            number = other_round + round((due - other_due) / period)
+            votes[number] += 1
+            freshest[number] = min(freshest.get(number, ahead), ahead)
+    if votes:
+        round_ = max(votes, key=lambda number: (votes[number], -freshest[number]))
+    return due, period, round_, dims
 
 
 class Clock:

@@ -405,7 +405,7 @@ def _preset_inner_steps() -> int:
 
 def line_whole_share(outer: list[dict], *, size: int, target: int) -> Optional[float]:
     """The share of applied rounds (outer events with `grid` = [round, dims, cell]) whose group held every
-    live peer of its line, counting a line's used cells (index < size) on a grid of grid.side per dimension
+    live peer of its line, counting a line's used cells (index < size) on the grid of grid.sides (grid.line_size)
     (with one dimension: min(size, target), the group a swarm without a grid forms)."""
     whole = counted = 0
     for r in outer:
@@ -414,9 +414,7 @@ def line_whole_share(outer: list[dict], *, size: int, target: int) -> Optional[f
         round_, dims, cell = r["grid"]
         need = min(size, target)  # one dimension: one group of up to the target
         if dims > 1:
-            side = grid.side(size, dims, target)
-            on_line = [[*cell[:round_ % dims], v, *cell[round_ % dims + 1:]] for v in range(side)]
-            need = sum(all(c < side for c in coords) and grid.cell_index(coords, side) < size for coords in on_line)
+            need = grid.line_size(cell, round_=round_, dims=dims, size=target, live=size)
         counted += 1
         whole += r["group_size"] >= max(1, need)
     return whole / counted if counted else None
@@ -440,7 +438,7 @@ def swarm_stats(outer: dict, failed: dict, finals: dict, *, size: int, target: i
              and f["wall_s"] > 0]
     steps = sorted(r["tokens"] / tokens_per_step for rs in outer.values() for r in rs if r.get("tokens"))
     # a group that holds every live peer, or with a grid (more peers than the target) a whole line of it
-    line = size if size <= target else grid.side(size, grid.dims_for(size, target), target)
+    line = size if size <= target else max(grid.sides(size, grid.dims_for(size, target), target))
     evals = [f["eval_loss"] for f in finals.values() if isinstance(f.get("eval_loss"), (int, float))]
     spread = anchor_spread(outer, every=5.0)
     t_first = min((r["time"] for rs in outer.values() for r in rs), default=0.0)
@@ -464,8 +462,8 @@ def swarm_stats(outer: dict, failed: dict, finals: dict, *, size: int, target: i
         "full_share_settled": sum(g >= line for g in settled) / len(settled) if settled else None,
         # the same over the second half of the rounds' span: a short run's settled share
         "full_share_second_half": sum(g >= line for g in late) / len(late) if late else None,
-        # with a grid: the groups that held every used cell of their line (cells 0..N-1 of a grid of grid.side
-        # per dimension), from each round's [round, dims, cell]; a grid of N < side**dims has short lines too
+        # with a grid: the groups that held every used cell of their line (cells 0..N-1 of the grid of grid.sides),
+        # from each round's [round, dims, cell]; a grid of more cells than N has short lines too
         "line_whole_share": line_whole_share([r for rs in outer.values() for r in rs], size=size, target=target),
         "alone_share": alone / entries if entries else None,
         "steps_median": statistics.median(steps) if steps else None,

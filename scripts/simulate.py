@@ -22,7 +22,7 @@ the round lands, `observe`, `adopt` and `grid.settle` at each progress read, spa
   (scale.py's --wait-for-peers). Before a peer's first formed group there is no schedule: it enters every H
   steps. A round runs in the background; its outcome is taken at the next inner step.
 - Matchmaking (hivemind's): peers with equal group key bits meet. The first entrant leads; its
-  target is min(target_group_size, its swarm size), or with a grid its line's size, grid.side
+  target is min(target_group_size, its swarm size), or with a grid its line's used cells, grid.line_size
   (outer._full_group). Later entrants join it, first come first served; the group forms at once at
   the target, otherwise when the leader's --window ends. Alone at the end: "no group". Key lookups
   themselves take no time.
@@ -34,7 +34,7 @@ the round lands, `observe`, `adopt` and `grid.settle` at each progress read, spa
   that a death mid-round fails the round is the share of the round before the verdicts, not a
   constant. A joiner downloads the state (8 bytes per parameter) from one live peer, then reads the
   progress records and adopts the swarm's phase (outer.Rounds.begin).
-- Progress records: stored and read every progress_read_every(N seen) s, on the peer's log ticks,
+- Progress records: stored and read every progress_read_every(N seen, the peer's age) s, on its log ticks,
   expiring after max(15, 3 x that); a read is used at the next tick (records.py).
   They give the peer's swarm size, the phase to adopt and the cells to settle against.
 - DHT cost (messages and bytes per peer): a node search asks all N - 1 peers up to BEAM + 1 peers
@@ -55,12 +55,14 @@ the round lands, `observe`, `adopt` and `grid.settle` at each progress read, spa
   peer that was live at R0 (on a full grid: its dimensions, ceil(log_g N)).
 
 Columns: group size mean and max over every member's applied rounds, and the share of them that held
-a whole line (scale.py's: N up to the target, else grid.side); failed (formed, not applied) and alone
-("no group") shares of entries; applied rounds per minute per peer; DHT per peer per applied round
-and per minute (medians); spread (median, first and second half); mixing rounds (median, and how
-many measurements) against ceil(log_g N); the wall seconds the simulation took.
+a full line (`full`: N up to the target, else the longest of grid.sides); failed (formed, not applied)
+and alone ("no group") shares of entries; `whole`: the share that held every used cell of the member's
+line (grid.line_size, scale.py's line_whole_share), and `2nd` the same over the second half; applied
+rounds per minute per peer; DHT per peer per applied round and per minute (medians); spread (median,
+first and second half); mixing rounds (median, and how many measurements) against ceil(log_g N); the
+wall seconds the simulation took.
 
-Speed: N = 1,024 takes about 15 s here for 60 rounds, mostly grid.settle and Clock.adopt at the
+Speed: N = 1,024 takes about 50 s here for 60 rounds, mostly grid.settle and Clock.adopt at the
 progress reads. Clock.adopt's swarm_phase is O(records^2), 0.3 s a call at 1,024 records: past
 --phase-sample records it gets a random sample of them (16, 32 or 64 gave the same results within the
 spread between seeds, at 64 peers). N = 4,096 takes about a minute for 15 rounds: not a default.
@@ -207,6 +209,7 @@ class Peer:
     t0: float = 0.0                  # inner step k ends at t0 + k / speed
     clock: Optional[schedule.Clock] = None
     coords: Optional[list] = None    # outer.grid_coords
+    known: list = field(default_factory=list)  # the peer ids of the last progress records read (outer.known_peers)
     swarm_size: int = 1
     alive: bool = True
     pending: Optional["Group"] = None  # the round in flight
@@ -339,6 +342,7 @@ class Sim:
         self.live: list = []
         self.peers: list = []
         self.sizes: list = []        # group size, once per member per applied round (each peer's "outer" event)
+        self.whole: list = []        # ... (t, whether it held every used cell of the member's line: scale.py's)
         self.spread: list = []       # (t, spread)
         self.mixing = Mixing()
         self.events = 0
@@ -402,7 +406,7 @@ class Sim:
         if not p.alive:
             return
         s, n = self.s, len(self.live)
-        every = self.progress_every(p)
+        every = self.progress_every(p, t)
         if t - p.published_at >= 0.9 * every:
             record = {"outer_step": p.outer_step, **p.clock.record(),
                       **({"cell": list(p.coords)} if p.coords is not None else {})}
@@ -415,7 +419,7 @@ class Sim:
         if p.reading is not None:
             records, p.reading = p.reading, None
             self.note_progress(p, records, t)
-        every = self.progress_every(p)
+        every = self.progress_every(p, t)
         if t - p.read_at >= 0.9 * every:
             p.read_at, p.reading = t, self.snapshot(t)
             self.charge(p, read_cost(n, len(p.reading) * s.record_bytes))
@@ -425,9 +429,9 @@ class Sim:
         j = max(j + 1, math.ceil((nxt - p.t0) / s.log_interval - 1e-9))
         self.push(p.t0 + j * s.log_interval, self.tick, p, j)
 
-    def progress_every(self, p: Peer) -> float:
+    def progress_every(self, p: Peer, t: float) -> float:
         """Seconds between our stores of our record, and between our reads of everyone's."""
-        return self.s.progress_every or swarm.progress_read_every(self.cfg, p.swarm_size)
+        return self.s.progress_every or swarm.progress_read_every(self.cfg, p.swarm_size, age=t - p.t0)
 
     def snapshot(self, t: float) -> dict:
         """The live records (peer id -> record), as a read of the progress key returns them."""
@@ -445,6 +449,7 @@ class Sim:
         """outer._note_progress: our swarm size, the swarm's phase if we may be out of it, our cell."""
         s = self.s
         p.swarm_size = len(records.keys() | {p.id})
+        p.known = list(records)
         p.clock.observe(records)
         if not p.clock.in_phase:
             if len(records) > s.phase_sample:  # swarm_phase is quadratic in the records (module docstring)
@@ -455,7 +460,7 @@ class Sim:
         if s.grid and p.clock.dims > 1:  # outer._settle_cell
             size, dims = s.target_group_size, p.clock.dims
             cells = grid.cells_of(records, me=p.id, round_=p.clock.round, dims=dims, size=size)
-            coords = grid.fit(p.coords or [], dims, size, p.id)
+            coords = grid.fit(p.coords or [], dims, size, p.id, p.known)
             p.coords = grid.settle(p.id, coords, cells, live=p.swarm_size, dims=dims, size=size, salt=p.clock.round)
         if p.pending is None:  # the clock may have moved: when do we enter next?
             self.schedule_wake(p, t)
@@ -503,7 +508,7 @@ class Sim:
         bits, line = "", None
         if s.grid:  # outer._enter_line
             size, dims = s.target_group_size, p.clock.dims
-            p.coords = coords = grid.fit(p.coords or [], dims, size, p.id)
+            p.coords = coords = grid.fit(p.coords or [], dims, size, p.id, p.known)
             bits = grid.key_bits(coords, round_=p.clock.round, dims=dims, size=size)
             line = (p.clock.round, dims, coords)
         gather = p.clock.announce(now=t, inner_step=k, swarm_size=p.swarm_size)
@@ -527,8 +532,18 @@ class Sim:
         """outer._full_group: every live peer up to target_group_size, or with a grid a whole line."""
         s = self.s
         if s.grid and p.clock.dims > 1:
-            return grid.side(p.swarm_size, p.clock.dims, s.target_group_size)
+            return grid.line_size(p.coords, round_=p.clock.round, dims=p.clock.dims, size=s.target_group_size,
+                                  live=p.swarm_size)
         return min(s.target_group_size, p.swarm_size)
+
+    def line_need(self, entry: Entry) -> int:
+        """The members a whole group of this entry's line holds, as scale.py's line_whole_share counts them:
+        the used cells of its line on a grid of the live peers (with one dimension, everyone up to the target)."""
+        live, size = len(self.live), self.s.target_group_size
+        if entry.line is None or entry.line[1] <= 1:
+            return min(live, size)
+        round_, dims, coords = entry.line
+        return grid.line_size(coords, round_=round_, dims=dims, size=size, live=live)
 
     def window_end(self, t: float, group: Group) -> None:
         if group.formed_at is not None:
@@ -577,11 +592,11 @@ class Sim:
             p.clock.after_no_group()
             p.alone += 1
         else:
-            if entry.line is not None:  # outer._leave_line
-                ids = sorted(e.peer.id for e in group.entries)
+            if entry.line is not None:  # outer._leave_line: the cells the members entered with, from the gather
                 round_, dims, coords = entry.line
-                p.coords = grid.regroup(coords, round_=round_, dims=dims,
-                                        index=min(ids.index(p.id), s.target_group_size - 1))
+                cells = {e.peer.id: list(e.line[2]) if e.line is not None else None for e in group.entries}
+                p.coords = grid.reindex(coords, round_=round_, dims=dims, size=s.target_group_size, me=p.id,
+                                        cells=cells)
             # Rounds._land_round: only a group of every live peer leaves everyone in phase (not one line of a grid)
             whole = p.clock.dims <= 1 and len(group.entries) >= p.swarm_size
             p.clock.after_round([e.gather for e in group.entries], full=whole)
@@ -594,6 +609,7 @@ class Sim:
                 p.progress_steps -= entry.steps
                 p.applied += 1
                 self.sizes.append(len(group.entries))
+                self.whole.append((t, len(group.entries) >= self.line_need(entry)))
                 self.mixing.landed(p, group, self.live)
         self.schedule_wake(p, t)
 
@@ -646,12 +662,13 @@ class Sim:
         s = self.s
         n = s.peers
         dims = grid.dims_for(n, s.target_group_size) if s.grid else 1
-        line = n if n <= s.target_group_size else grid.side(n, dims, s.target_group_size)  # as scale.py
+        line = n if n <= s.target_group_size else max(grid.sides(n, dims, s.target_group_size))  # as scale.py
         minutes = {p: (end - p.t0) / 60 for p in self.live if end > p.t0}
         per_round = [p for p in minutes if p.applied]
         formed = sum(p.applied + p.failed for p in self.peers)
         entries = formed + sum(p.alone for p in self.peers)
         mixed = [r for r in self.mixing.results if r is not None]
+        late = [(t, w) for t, w in self.whole if t >= end / 2]
 
         def median(values):
             values = list(values)
@@ -663,6 +680,9 @@ class Sim:
             "group_size_mean": statistics.mean(self.sizes) if self.sizes else None,
             "group_size_max": max(self.sizes, default=None),
             "full_share": sum(g >= line for g in self.sizes) / len(self.sizes) if self.sizes else None,
+            "line_whole_share": statistics.mean(w for _, w in self.whole) if self.whole else None,
+            # the same from half the simulated time on: past the start, when the records are up to N/8 log intervals old
+            "line_whole_second_half": statistics.mean(w for t, w in late) if late else None,
             "failed_share": sum(p.failed for p in self.peers) / formed if formed else None,
             "alone_share": sum(p.alone for p in self.peers) / entries if entries else None,
             "rounds_per_min_median": median(p.applied / m for p, m in minutes.items()),
@@ -701,14 +721,16 @@ def _num(value, digits: int) -> str:
 
 
 HEADER = (f"{'peers':>5} {'group':>5} {'dims':>4} {'line':>4} {'mean':>5} {'max':>4} {'full':>5} {'failed':>6} "
-          f"{'alone':>5} {'rnd/min':>7} {'DHT msg/rnd':>11} {'kB/rnd':>7} {'msg/min':>7} {'kB/min':>7} "
+          f"{'alone':>5} {'whole':>5} {'2nd':>5} {'rnd/min':>7} {'DHT msg/rnd':>11} {'kB/rnd':>7} {'msg/min':>7} "
+          f"{'kB/min':>7} "
           f"{'spread':>7} {'1st':>6} {'2nd':>6} {'mix':>4} {'(n)':>4} {'logN':>4} {'wall s':>6}")
 
 
 def row_line(r: dict) -> str:
     return (f"{r['peers']:>5} {r['target_group_size']:>5} {r['dims']:>4} {r['line']:>4} "
             f"{_num(r['group_size_mean'], 2):>5} {_num(r['group_size_max'], 0):>4} {_num(r['full_share'], 2):>5} "
-            f"{_num(r['failed_share'], 3):>6} {_num(r['alone_share'], 3):>5} "
+            f"{_num(r['failed_share'], 3):>6} {_num(r['alone_share'], 3):>5} {_num(r.get('line_whole_share'), 2):>5} "
+            f"{_num(r.get('line_whole_second_half'), 2):>5} "
             f"{_num(r['rounds_per_min_median'], 2):>7} {_num(r['dht_msgs_per_peer_round'], 0):>11} "
             f"{_num(r['dht_kb_per_peer_round'], 1):>7} {_num(r['dht_msgs_per_peer_min'], 0):>7} "
             f"{_num(r['dht_kb_per_peer_min'], 0):>7} {_num(r['spread_median'], 3):>7} "

@@ -23,13 +23,14 @@ NETNS_OK, WHY = available()
 
 
 def test_a_line_is_whole_when_it_holds_every_used_cell():
-    """8 peers on lines of 3 (target 4: a 3 x 3 grid, cells 0-7 used): the line of cell (0, 2) along
-    dimension 0 holds cells 6 and 7 only, so a group of 2 there is whole; along dimension 1 the line of
-    (0, 2) holds cells 0, 3 and 6, and a group of 2 is not. With one dimension, every live peer up to the target."""
-    rounds = [{"grid": [0, 2, [0, 2]], "group_size": 2}, {"grid": [1, 2, [0, 2]], "group_size": 2},
-              {"grid": [1, 2, [0, 2]], "group_size": 3}, {"grid": [2, 1, [5]], "group_size": 3},
+    """7 peers, target 4: a 4 x 2 grid (grid.sides), cells 0-6 used. Along dimension 0 the line of (0, 1)
+    holds cells 4-6 only, so a group of 3 there is whole, and the line of (0, 0) holds 4, so a group of 3
+    is not; along dimension 1 the line of (0, 0) holds cells 0 and 4. With one dimension, every live
+    peer up to the target."""
+    rounds = [{"grid": [0, 2, [0, 1]], "group_size": 3}, {"grid": [0, 2, [0, 0]], "group_size": 3},
+              {"grid": [1, 2, [0, 0]], "group_size": 2}, {"grid": [2, 1, [5]], "group_size": 3},
               {"group_size": 8}]  # no grid field: not counted
-    assert scale.line_whole_share(rounds, size=8, target=4) == pytest.approx(2 / 4)
+    assert scale.line_whole_share(rounds, size=7, target=4) == pytest.approx(2 / 4)
     assert scale.line_whole_share([], size=8, target=4) is None
     assert scale.line_whole_share([{"grid": [0, 1, [3]], "group_size": 8}], size=16, target=8) == 1.0
 

@@ -134,6 +134,23 @@ def test_the_round_number_and_grid_travel_with_the_schedule():
     assert joiner.round == 29
 
 
+def test_the_phase_is_numbered_as_most_of_its_holders_number_it():
+    """Records of one phase read at different ages (at 256 peers they are read every 64 s): p0's, carried
+    forward 5 periods by the period of its time (10 s, now 13 s), numbers the round 13 where the three
+    fresh ones say 15. The round is the one most holders give, not the first holder's by peer id (p0's,
+    as before); on a tie, the freshest record's."""
+    now = 200.0
+    old = {"due": 152.7, "period": 10.0, "round": 8, "dims": 3}      # carried to 202.7, round 13
+    fresh = {"due": 203.0, "period": 13.0, "round": 15, "dims": 3}
+    records = {"p0": old, "p1": fresh, "p2": fresh, "p3": fresh}
+    clock = Clock(inner_steps=50, now=now, inner_step=0, group_size=8)
+    assert clock.adopt(records, now=now) and clock.due == pytest.approx(202.7)
+    assert (clock.round, clock.dims) == (15, 3)
+    tie = {"p0": old, "p1": old, "p8": {"due": 190.0, "period": 13.0, "round": 14, "dims": 3}, "p9": fresh}
+    clock = Clock(inner_steps=50, now=now, inner_step=0, group_size=8)
+    clock.adopt(tie, now=now)
+    assert clock.round == 15   # 13 twice (5 periods on), 15 twice (0 and 1 period on)
+
 def test_lines_of_a_grid_keep_the_swarms_period():
     """Two lines of slightly different speeds: each would set its own period and the lines drift apart;
     with the swarm's median speed from the progress records both leave with the same next due time."""
