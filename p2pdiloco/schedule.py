@@ -57,6 +57,8 @@ PHASE_TOLERANCE = 0.1  # due times closer than this share of the period are one 
 # apart to meet in one window. Paced peers (a period of 65 s, docs/benchmarks.md) were 3.5 s out of
 # phase, inside 10% of the period, and missed every round
 WINDOW_TOLERANCE = 0.25
+PERIOD_HYSTERESIS = 0.1  # a line keeps its period until the swarm's, as its members read it, is this far off
+# (a contribution of the median peer then stays within 10% of inner_steps)
 ROUND_MARGIN = 1.25  # the period is at least this many rounds' times (the median member's last round)
 
 
@@ -207,7 +209,8 @@ class Clock:
         speed = self.speed(inner_step=inner_step, mono=mono)
         self.last_speed = speed if speed is not None else self.last_speed
         fields = {"due": self.due if self.due is not None else now, "speed": speed, "round": self.round,
-                  "dims": grid.dims_for(swarm_size, self.group_size), "round_s": self.round_s}
+                  "dims": grid.dims_for(swarm_size, self.group_size), "round_s": self.round_s,
+                  "period": self.period, "swarm_period": self.swarm_period}
         self._marks.append((mono, inner_step))
         return fields
 
@@ -221,15 +224,30 @@ class Clock:
         self.dims = statistics.median_low(proposed) if proposed else self.dims  # one odd member cannot move it
         if schedule is not None:
             self.due, self.period = schedule
-            if self.dims > 1 and self.swarm_period is not None:
-                # lines of a grid each hold a few peers: a period from each line's own speeds would set every
-                # line on a clock of its own, and the lines would drift apart. The swarm's median speed (the
-                # progress records) gives every line about the same period.
-                self.due, self.period = self.due - self.period + self.swarm_period, self.swarm_period
+            period = self._line_period(members) if self.dims > 1 else None
+            if period is not None:
+                self.due, self.period = self.due - self.period + period, period
         # the highest round number: a member that missed rounds catches up (it only picks the grid's dimension)
         rounds = [m["round"] for m in members if _integer(m.get("round"))]
         self.round = max(rounds) + 1 if rounds else self.round + 1
         self.in_phase = full and schedule is not None
+
+    def _line_period(self, members: list[dict]) -> Optional[float]:
+        """A line's period, the same on every member and, as far as can be, on every line. A line of a grid
+        holds a few peers: a period from its own speeds would set every line on a clock of its own. The
+        swarm's (inner_steps at the median speed in the progress records) is each member's view, read at its
+        own time, and 16 real peers on 2 cores whose lines each took one (21.7 and 23.7 s) entered the next
+        round up to 6 s apart, against a 2 s window. So: the median of the members' views, and the period
+        they held before (their median) unless that view is more than PERIOD_HYSTERESIS away from it."""
+        views = [float(m["swarm_period"]) for m in members if _number(m.get("swarm_period")) and m["swarm_period"] > 0]
+        held = [float(m["period"]) for m in members if _number(m.get("period")) and m["period"] > 0]
+        view = statistics.median(views) if views else self.swarm_period
+        if view is None:
+            return None
+        before = statistics.median(held) if held else None
+        if before is not None and abs(view - before) <= PERIOD_HYSTERESIS * before:
+            return before
+        return view
 
     def after_no_group(self) -> None:
         """Nobody met us: keep our own clock for now, and look at the swarm's phase."""

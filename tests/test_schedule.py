@@ -59,7 +59,8 @@ def test_clock_through_rounds():
     clock = Clock(inner_steps=50, now=0.0, inner_step=0)
     assert clock.should_enter(now=1.0, inner_step=50) is None  # no schedule before a group formed
     gather = clock.announce(now=2.0, inner_step=50)
-    assert gather == {"due": 2.0, "speed": 25.0, "round": 0, "dims": 1, "round_s": None}
+    assert gather == {"due": 2.0, "speed": 25.0, "round": 0, "dims": 1, "round_s": None, "period": None,
+                      "swarm_period": None}
     clock.after_round([gather, {"due": 2.2, "speed": 25.0}], full=True)
     assert (clock.due, clock.period) == pytest.approx((4.1, 2.0)) and clock.in_phase
     assert not clock.should_enter(now=3.9, inner_step=95)        # 0.2 s early: more than half a step
@@ -167,6 +168,24 @@ def test_lines_of_a_grid_keep_the_swarms_period():
     alone.observe(records)
     alone.after_round([{"due": 10.0, "speed": 20.0}] * 2, full=True)
     assert alone.due == pytest.approx(12.5)
+
+
+def test_a_line_keeps_its_period_while_its_members_views_of_the_swarms_stay_near_it():
+    """Two lines whose members read the swarm's period at different times (21.7 and 23.7 s, as 16 real peers
+    on 2 cores did: their next rounds came 2 s apart, and then 6) keep the period they held, 22 s, and
+    leave with one due time; every member of a line computes the same from the gather whatever its own
+    view. A view more than 10% away is taken: the median of the members'."""
+    def line(views, held=22.0, own=None):
+        clock = Clock(inner_steps=30, now=0.0, inner_step=0, group_size=4)
+        clock.dims, clock.swarm_period = 2, own
+        clock.after_round([{"due": 40.0, "speed": 1.0, "round": 3, "dims": 2, "period": held, "swarm_period": v}
+                           for v in views], full=False)
+        return clock.due, clock.period
+    assert line([21.7, 21.7, 21.9, 22.0]) == line([23.7, 23.6, 22.5, 23.7]) == (pytest.approx(62.0), 22.0)
+    assert line([23.7, 23.6, 22.5, 23.7], own=21.0) == line([23.7, 23.6, 22.5, 23.7], own=30.0)
+    assert line([26.0, 26.0, 25.0, 27.0]) == (pytest.approx(66.0), 26.0)   # 18% slower: the swarm's median view
+    assert line([26.0, 26.0, 25.0, 27.0], held=None) == (pytest.approx(66.0), 26.0)  # no period held yet
+    assert line([None] * 4, own=25.0) == (pytest.approx(65.0), 25.0)       # older peers: our own view
 
 
 def test_a_due_time_missed_by_over_half_a_period_moves_to_the_nearest():
