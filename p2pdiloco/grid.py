@@ -83,10 +83,12 @@ def cells_of(records: dict, *, me: str, round_: int, dims: int, size: int) -> di
 def fit(coords: list[int], dims: int, size: int, peer_id: str, peers=()) -> list[int]:
     """Coordinates for a grid of `dims` dimensions: ours if they have that shape, else (a first cell, or
     the grid grew or shrank) our place by rank among the live peers we know of (`place`), or a hash of
-    our id if we know of none."""
+    our id if we know of none (a rank among one would be cell 0 for every such peer)."""
     if len(coords) == dims:
         return [min(c, size - 1) for c in coords]
-    return place(peer_id, peers, dims=dims, size=size) if peers else initial_coords(peer_id, dims, size)
+    if set(peers) - {peer_id}:
+        return place(peer_id, peers, dims=dims, size=size)
+    return initial_coords(peer_id, dims, size)
 
 
 @functools.lru_cache(maxsize=256)

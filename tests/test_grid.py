@@ -27,6 +27,7 @@ def test_coords_are_stable_and_fit_a_new_shape():
     assert grid.fit([1, 2, 3], 3, 4, "QmPeer") == [1, 2, 3]
     # a new shape: a new cell, our rank among the peers we know of, or (none) the hash
     assert grid.fit([1, 2], 3, 4, "QmPeer") == c and grid.fit([1, 2, 3], 1, 4, "QmPeer", ["QmA", "QmZ"]) == [1]
+    assert grid.fit([], 3, 4, "QmPeer", {"QmPeer"}) == c
 
 
 def _deal(coords: dict, members: list, round_: int, dims: int, size: int) -> None:
