@@ -662,7 +662,7 @@ class Rounds:
                 # an applied round's time sets the period's floor (schedule.ROUND_MARGIN); a round that failed by a
                 # timeout (a frozen member: 8 s) would stretch the next period to 10 s
                 self.clock.after_round(list(outcome.members.values()), full=whole,
-                                       round_s=outcome.round_s if outcome.ok else None)
+                                       round_s=outcome.round_s if outcome.ok else None, now=time.time())
             else:
                 self.clock.after_no_group()
         # bad_contribution and reducer_check events; a peer that keeps attacking is banned (suspects.py)

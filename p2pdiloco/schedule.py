@@ -168,6 +168,9 @@ class Clock:
         self.due: Optional[float] = None      # wall-clock time of our next entry
         self.period: Optional[float] = None   # seconds between the swarm's rounds
         self.in_phase = False                 # False: take the swarm's phase at the next progress read
+        # wall-clock end of our last partial group of one dimension: until a period after it, the phase is read
+        # only from records published since (`adopt`)
+        self.fresh_after: Optional[float] = None
         # (monotonic time, inner step) of our last entries (and the start): the speed is measured from them
         self._marks = collections.deque([(now if mono is None else mono, inner_step)], maxlen=SPEED_MARKS)
 
@@ -214,10 +217,11 @@ class Clock:
         self._marks.append((mono, inner_step))
         return fields
 
-    def after_round(self, members: list[dict], *, full: bool, round_s: Optional[float] = None) -> None:
+    def after_round(self, members: list[dict], *, full: bool, round_s: Optional[float] = None,
+                    now: Optional[float] = None) -> None:
         """A group formed (applied or not): the next due time every member computes alike. A group
         that did not hold every live peer may have left some out of phase: check the swarm's.
-        round_s: how long the round took us (announced at our next entry)."""
+        round_s: how long the round took us (announced at our next entry); now: the wall-clock time."""
         schedule = agreed(members, inner_steps=self.inner_steps)
         self.round_s = round_s if _number(round_s) and round_s > 0 else self.round_s
         proposed = [m["dims"] for m in members if _integer(m.get("dims")) and 1 <= m["dims"] <= grid.MAX_DIMS]
@@ -231,6 +235,9 @@ class Clock:
         rounds = [m["round"] for m in members if _integer(m.get("round"))]
         self.round = max(rounds) + 1 if rounds else self.round + 1
         self.in_phase = full and schedule is not None
+        # a partial group of one dimension: its members' records from before it still hold the phase they had
+        # before, which the group just replaced (a grid's lines take theirs from records read rarely anyway)
+        self.fresh_after = now if not full and self.dims <= 1 and _number(now) else None
 
     def _line_period(self, members: list[dict]) -> Optional[float]:
         """A line's period, the same on every member and, as far as can be, on every line. A line of a grid
@@ -264,7 +271,17 @@ class Clock:
             self.swarm_period = _period(self.inner_steps, speeds, [r.get("round_s") for r in records.values()])
 
     def adopt(self, records: dict, *, now: float) -> bool:
-        """Take the phase that most live peers hold (their progress records); True if ours moved."""
+        """Take the phase that most live peers hold (their progress records); True if ours moved.
+
+        For a period after a partial group, only the records published since it ended count, and only
+        once they are most of the records: a member's record from before the group holds the phase it
+        left, and a peer that counted those (8 peers at a ratio of 5, in groups of 7 and 1) took a phase
+        a round's time away from its group's and split the next round."""
+        if self.fresh_after is not None and self.period is not None and now < self.fresh_after + self.period:
+            fresh = {peer: r for peer, r in records.items() if _number(r.get("time")) and r["time"] >= self.fresh_after}
+            if 2 * len(fresh) <= len(records):
+                return False
+            records = fresh
         phase = _phase(records, now=now, tolerance=PHASE_TOLERANCE, max_gap=self.max_gap)
         if phase is None:
             return False

@@ -633,6 +633,11 @@ def summarize_swarm(name: str, records: dict, before, after, slowdowns: dict) ->
            "round_s_median": statistics.median(round_s) if round_s else None,
            "rounds_per_min": 60 * len(round_s) / len(records) / (end - start) if round_s else None}
     applied = sum(p["outer_steps_applied"] for p in peers.values())
+    # a contribution's time (its median inner steps at the median peer's own rate) over the median round's:
+    # the ratio of compute to communication, as scale.py swarm measures it
+    rates = [p["inner_step"] / p["wall_s"] for p in peers.values() if p["wall_s"] > 0]
+    if contributions and rates and round_s:
+        out["ratio"] = statistics.median(contributions) / statistics.median(rates) / statistics.median(round_s)
     out.update(full_group_fraction=sum(p["full_rounds"] for p in peers.values()) / max(1, applied),
                resyncs=sum(p["resyncs"] for p in peers.values()), merges=sum(p["merges"] for p in peers.values()),
                max_eval_jump_pct=max(p["max_eval_jump_pct"] for p in peers.values()),

@@ -89,8 +89,8 @@ def across_seeds(results: dict, comp: str) -> list[str]:
     seeds = max(len(v) for v in per_run.values())
     lines = [f"### {comp}: mean over {seeds} seed(s) [min, max]", "",
              "| run | final eval loss | gap | outer steps/peer | rounds with every live peer | merges | resyncs "
-             "| max eval jump % | anchors agree | steps per contribution, median / p90 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| max eval jump % | anchors agree | steps per contribution, median / p90 | ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, runs in per_run.items():
         evals = [r["final_eval"] for r in runs]
         gap = gaps.get(name)
@@ -111,7 +111,8 @@ def across_seeds(results: dict, comp: str) -> list[str]:
                      f"{format(statistics.mean(outer), '.1f') if outer else '-'} | "
                      f"{avg('full_group_fraction', '.2f')} | "
                      f"{avg('merges', '.1f')} | {avg('resyncs', '.1f')} | {avg('max_eval_jump_pct', '+.1f')} | "
-                     f"{format(statistics.mean(agree), '.2f') if agree else '-'} | {steps_text} |")
+                     f"{format(statistics.mean(agree), '.2f') if agree else '-'} | {steps_text} | "
+                     f"{avg('ratio', '.1f')} |")
     return lines + [""]
 
 

@@ -4,6 +4,8 @@ averaged; optionally a founder frozen (SIGSTOP) past a round, then woken.
 
     python scripts/join_bench.py --size real --duration 480            # 85M small-gpu peers on this CPU
     python scripts/join_bench.py --size real --duration 480 --freeze   # ... and b frozen for 2 rounds
+                                                                       # (the run then lasts until a has applied
+                                                                       # 3 rounds after b's first once woken)
     python scripts/join_bench.py --size tiny --duration 40             # the tiny setting the suite runs
 
 Prints, for the joiner (and the frozen peer after it wakes): the share of the founders' rounds
@@ -35,6 +37,9 @@ SIZES = {
               "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]),
     "tiny": (str(ROOT / "peers" / "tiny-cpu.toml"), ["--inner-steps", "30", "--state-timeout", "5"]),
 }
+
+
+AFTER_WAKING = 3  # rounds of founder a after the frozen peer's first round once woken, before the run ends
 
 
 def keeping_up(swarm: LocalSwarm, name: str, since: float, reference: str) -> dict:
@@ -74,6 +79,15 @@ def run(size: str, duration: float, freeze: bool, workdir: Path, data: str = "")
             finally:
                 swarm.signal("b", signal.SIGCONT)
             frozen = time.time()
+            # b woke inside the round it froze in, which ends only at its own timeout (allreduce_timeout);
+            # the run goes on until a has applied AFTER_WAKING rounds after that, whatever is left of `duration`
+            # (a run cut 7 s after waking once counted 1 round of a and 0 of b's)
+            swarm.wait_for(lambda: any(r["time"] > frozen for r in swarm.events("b")
+                                       if r["event"] in ("outer", "round_failed")),
+                           timeout=4 * round_bound, what="b's first round after waking")
+            settled = time.time()
+            swarm.wait_for(lambda: sum(r["time"] > settled for r in swarm.events("a", "outer")) >= AFTER_WAKING,
+                           timeout=4 * round_bound, what=f"{AFTER_WAKING} rounds of a after b's first")
         swarm.wait_for(lambda: time.time() > t_start + duration, timeout=duration + 60, what="the run's end")
         result = {"size": size, "duration_s": duration, "joiner": keeping_up(swarm, "c", t_joined, "a")}
         if frozen is not None:

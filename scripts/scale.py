@@ -36,6 +36,7 @@ import contextlib
 import json
 import math
 import os
+import shlex
 import shutil
 import signal
 import statistics
@@ -289,13 +290,16 @@ def _io_bytes(pid: int) -> int:
 def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, data: str = "",
               target_group: int = 0, use_grid: bool = True, legacy_dht: str = "", total_steps: int = 0,
               steps: int = 0, clock_step: Optional[tuple[float, float]] = None, dht_breakdown: bool = False,
-              inner_steps: int = 0, aggregation: str = "") -> dict:
+              inner_steps: int = 0, aggregation: str = "", rate_mbit: float = 0.0,
+              peer_args: tuple = ()) -> dict:
     """`size` tiny peers start together through a bootstrap node, paced by --slowdown so that 16 fit
-    on 2 cores, and train for `duration` s. Per peer: group sizes, the share of rounds that held
-    every live peer (or, with a grid, a whole line of it), inner steps per contribution, applied
-    rounds per minute, round time, failed rounds, the spread of the anchors of all live peers, and
-    the bytes its DHT process moved (through its p2pd socket and its pipes to the trainer and
-    averager) per applied round and per minute."""
+    on 2 cores, and train for `duration` s; with `rate_mbit` each peer in its own network namespace
+    behind that limit (both directions; the bootstrap node unlimited), so that bandwidth sets the ratio;
+    `peer_args` go last on every peer's command line (the preset's timeouts are sized for loopback).
+    Per peer: group sizes, the share of rounds that held every live peer (or, with a grid, a whole line
+    of it), inner steps per contribution, applied rounds per minute, round time, failed rounds, the
+    spread of the anchors of all live peers, and the bytes its DHT process moved (through its p2pd
+    socket and its pipes to the trainer and averager) per applied round and per minute."""
     preset, flags = SIZES["tiny"]
     target = target_group or int(Config.from_sources(preset).target_group_size)
     flags = [*flags, "--slowdown", str(slowdown), "--wait-for-peers", str(size), "--max-time", str(duration),
@@ -303,7 +307,7 @@ def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, dat
              "--grid" if use_grid else "--no-grid", *(["--total-steps", str(total_steps)] if total_steps else []),
              *(["--max-inner-steps", str(steps)] if steps else []),
              *(["--inner-steps", str(inner_steps)] if inner_steps else []),
-             *(["--aggregation", aggregation] if aggregation else [])]
+             *(["--aggregation", aggregation] if aggregation else []), *peer_args]
     if data:
         flags = [*flags, "--data", data]
     names = [f"p{i:02d}" for i in range(size)]
@@ -319,12 +323,19 @@ def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, dat
         env["DHTCOUNT_DIR"] = str(counts)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "scripts" / "dhtcount"),
                                                           os.environ.get("PYTHONPATH", "")]))
-    with LocalSwarm(workdir, config=preset, extra_args=flags, env=env) as swarm:
-        swarm.start_bootstrap()
+    with contextlib.ExitStack() as stack:
+        net = None
+        if rate_mbit:
+            from netns import Namespaces  # root and `ip netns`: only with a rate
+            net = stack.enter_context(Namespaces(size + 1, rates=[None] + [rate_mbit] * size, tag="swarm"))
+        swarm = stack.enter_context(LocalSwarm(workdir, config=preset, extra_args=flags, env=env))
+        swarm.start_bootstrap(host=net.addr(0) if net else "127.0.0.1", wrapper=net.prefix(0) if net else ())
         boot = swarm.maddr("boot")
-        for name in names:
-            swarm.spawn(name, [sys.executable, "-m", "p2pdiloco", "join", "--config", preset, "--log-dir",
-                               str(workdir / name), "--maddrs-file", str(workdir / f"{name}.maddrs"), *flags,
+        for i, name in enumerate(names, start=1):
+            where = [*net.prefix(i)] if net else []
+            host = ["--host-maddrs", f"/ip4/{net.addr(i)}/tcp/0"] if net else []
+            swarm.spawn(name, [*where, sys.executable, "-m", "p2pdiloco", "join", "--config", preset, "--log-dir",
+                               str(workdir / name), "--maddrs-file", str(workdir / f"{name}.maddrs"), *flags, *host,
                                "--initial-peers", boot])
         t0, launched = time.time(), time.monotonic()
         swarm.wait_for(lambda: all(swarm.events(n, "inner") for n in names), timeout=240 + 10 * size,
@@ -354,6 +365,7 @@ def run_swarm(size: int, duration: float, workdir: Path, *, slowdown: float, dat
     dht_min = [(last[n][0] - first[n][0]) / ((last[n][2] - first[n][2]) / 60) for n in names
                if n in last and last[n][2] > first[n][2]]
     return {"peers": size, "slowdown": slowdown, "duration_s": duration, "start_s": t_trained - t0,
+            "rate_mbit": rate_mbit, "peer_args": list(peer_args),
             "target_group_size": target, "grid": use_grid, "inner_steps": inner_steps or _preset_inner_steps(),
             "legacy_dht": legacy_dht, "steps": steps, "aggregation": aggregation or "the preset's",
             "clock_step": clock_step, "bans": bans,
@@ -698,6 +710,10 @@ def main(argv=None) -> int:
                        help="the inner lr's cosine length (default: the preset's); short: the lr decays in the run")
     sweep.add_argument("--rescore", action="store_true",
                        help="recompute the table of the runs in --out from their metrics files (runs nothing)")
+    sweep.add_argument("--rate-mbit", type=float, default=0.0,
+                       help="each peer in its own network namespace behind this limit (tc tbf, both directions)")
+    sweep.add_argument("--peer-args", default="", help="more flags for every peer, one string "
+                                                       "(e.g. \"--allreduce-timeout 40\")")
     sweep.add_argument("--no-grid", action="store_true", help="groups of whoever is ready, no rotating grid")
     sweep.add_argument("--dht-breakdown", action="store_true",
                        help="count the DHT RPC bytes every node serves, by RPC and kind of key (scripts/dhtcount)")
@@ -719,6 +735,14 @@ def main(argv=None) -> int:
         parser.error("--inner-steps must be positive (0: the default)")
     if args.mode == "swarm" and not all(2 <= n <= 32 for n in args.sizes):
         parser.error("--sizes must be 2..32 peers each")
+    if args.mode == "swarm" and not (args.rate_mbit >= 0 and math.isfinite(args.rate_mbit)):
+        parser.error("--rate-mbit must be >= 0 (0: loopback, no limit)")
+    peer_args = ()
+    if args.mode == "swarm":
+        try:
+            peer_args = tuple(shlex.split(args.peer_args))
+        except ValueError as e:
+            parser.error(f"--peer-args: {e}")
     if args.mode == "join" and not (1 <= args.sources <= 8 and 1 <= args.repeats <= 10 and args.rate_mbit >= 0):
         parser.error("--sources must be 1..8, --repeats 1..10, --rate-mbit >= 0")
     if args.mode == "join" and args.manifest_only and not (Path(args.data) / "manifest.json").is_file():
@@ -731,6 +755,13 @@ def main(argv=None) -> int:
             clock_step = ()
         if len(clock_step) != 2 or not all(map(math.isfinite, clock_step)) or clock_step[0] < 0:
             parser.error(f"--clock-step takes AT:SECONDS (AT >= 0), got {args.clock_step!r}")
+    if args.mode in ("join", "swarm") and args.rate_mbit:
+        from netns import available
+
+        ok, why = available()
+        if not ok:
+            print(f"scale.py: --rate-mbit needs network namespaces: {why}", file=sys.stderr)
+            return 2
     from chaos import _terminate
     signal.signal(signal.SIGTERM, _terminate)  # SIGTERM unwinds through the finallys that stop the peers
     out = Path(args.out or tempfile.mkdtemp(prefix="p2pdiloco-scale-"))
@@ -748,7 +779,8 @@ def main(argv=None) -> int:
                             target_group=args.target_group, use_grid=not args.no_grid, legacy_dht=args.legacy_dht,
                             total_steps=args.total_steps, steps=args.steps, clock_step=clock_step,
                             dht_breakdown=args.dht_breakdown, inner_steps=args.inner_steps,
-                            aggregation=args.aggregation)
+                            aggregation=args.aggregation, rate_mbit=args.rate_mbit,
+                            peer_args=peer_args)
                   for n in args.sizes]
         print_swarm(result)
         if args.dht_breakdown:
@@ -756,13 +788,6 @@ def main(argv=None) -> int:
         if args.plot:
             plot_swarm(result, Path(args.plot))
     else:
-        if args.rate_mbit:
-            from netns import available
-
-            ok, why = available()
-            if not ok:
-                print(f"scale.py: --rate-mbit needs network namespaces: {why}", file=sys.stderr)
-                return 2
         result = run_join(args.size, args.sources, args.repeats, out / "peers", rate_mbit=args.rate_mbit,
                           data=args.data, leave=args.leave, stop=args.stop, manifest_only=args.manifest_only)
         print_join(result)

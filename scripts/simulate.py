@@ -408,7 +408,7 @@ class Sim:
         s, n = self.s, len(self.live)
         every = self.progress_every(p, t)
         if t - p.published_at >= 0.9 * every:
-            record = {"outer_step": p.outer_step, **p.clock.record(),
+            record = {"outer_step": p.outer_step, "time": t, **p.clock.record(),
                       **({"cell": list(p.coords)} if p.coords is not None else {})}
             self.records[p.id] = (record, t + max(15.0, 3 * every))
             p.published_at = t
@@ -599,7 +599,7 @@ class Sim:
                                         cells=cells)
             # Rounds._land_round: only a group of every live peer leaves everyone in phase (not one line of a grid)
             whole = p.clock.dims <= 1 and len(group.entries) >= p.swarm_size
-            p.clock.after_round([e.gather for e in group.entries], full=whole)
+            p.clock.after_round([e.gather for e in group.entries], full=whole, now=t)
             p.count_from = math.floor((group.formed_at - p.t0) * p.speed + 1e-9)  # _count_from_formation
             if group.failed:
                 p.failed += 1

@@ -69,6 +69,14 @@ def test_a_join_takes_chunks_from_every_source(tmp_path, corpus):
     assert train and all(f["sources"] >= 2 for f in train) and join["fetch_vs_state"] > 0, join
 
 
+def test_a_swarm_behind_a_bad_rate_is_refused_before_any_peer_starts(tmp_path):
+    for rate in ("-1", "nan"):
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "scale.py"), "swarm", "--sizes", "8",
+                               "--rate-mbit", rate, "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "--rate-mbit must be >= 0" in proc.stderr.strip().splitlines()[-1], proc.stderr
+        assert not (tmp_path / "swarm-8").exists()
+
+
 @pytest.mark.timeout(420)
 def test_a_source_leaves_mid_download_and_a_stop_interrupts_one(tmp_path, corpus):
     if not NETNS_OK:

@@ -107,6 +107,31 @@ def test_with_a_long_period_a_few_seconds_off_is_out_of_phase():
         (65.0, 65.0))                                                          # two phases: 3 hold 65.0
 
 
+def test_after_a_partial_group_only_records_published_since_set_the_phase():
+    """8 peers, a group of 7 (one missed it): the members' records read right after the round still hold
+    the phase they had before it, and counting them moved two members a round's time away from the
+    other five (8 peers at a ratio of 5, docs/scale.md). Until a period after the group, only records
+    published since it ended count, once they are most of the records."""
+    clock = Clock(inner_steps=50, now=0.0, inner_step=0)
+    clock.after_round([{"due": 10.0, "speed": 5.0}] * 7, full=False, now=12.0)  # due 20.0, every 10 s
+    assert clock.due == pytest.approx(20.0) and not clock.in_phase
+    stale = {f"m{i}": {"due": 15.0, "period": 10.0, "time": 11.0} for i in range(6)}  # before the group
+    fresh = {"e": {"due": 17.0, "period": 10.0, "time": 12.5}, "me": {**clock.record(), "time": 12.5}}
+    assert not clock.adopt({**stale, **fresh}, now=13.0)  # 2 fresh records of 8: wait for more
+    assert clock.due == pytest.approx(20.0) and not clock.in_phase
+    renewed = {f"m{i}": {"due": 20.0, "period": 10.0, "time": 14.0} for i in range(6)}
+    assert not clock.adopt({**renewed, **fresh}, now=14.5)  # most hold ours: nothing moves
+    assert clock.in_phase and clock.due == pytest.approx(20.0)
+    # a period after the group every record counts again (a publisher's wall clock far behind ours)
+    late = Clock(inner_steps=50, now=0.0, inner_step=0)
+    late.after_round([{"due": 10.0, "speed": 5.0}] * 7, full=False, now=12.0)
+    assert late.adopt({**stale, **fresh}, now=22.5) and late.due == pytest.approx(25.0)
+    # a whole group, or no time given (the rule off), reads every record as before
+    whole = Clock(inner_steps=50, now=0.0, inner_step=0)
+    whole.after_round([{"due": 10.0, "speed": 5.0}] * 7, full=False)
+    assert whole.adopt({**stale, **fresh}, now=13.0) and whole.due == pytest.approx(15.0)
+
+
 def test_a_joiner_without_a_schedule_adopts_the_swarms():
     clock = Clock(inner_steps=50, now=50.0, inner_step=0)
     assert not clock.adopt({"x": {"due": None}}, now=50.0)
