@@ -58,14 +58,17 @@ def test_relay_bench_quick(tmp_path):
         probe = r["probe"]
         assert probe["relayed"] and all("/p2p-circuit" in a for a in probe["path"]), (name, probe)
         assert probe["nbytes"] == 1_000_000
-        assert (probe["delivered"] > 0) or name in others, (name, probe)
+        # a relay that cut at its budget can reset the stream before the receiver's handler got a byte of it
+        # (CI at 61c21ae: the relay counted 131072, the receiver 0 and still waiting): the relay's count says it
+        cut = DEFAULT_DATA_LIMIT in r["relay_counted"]
+        assert probe["delivered"] > 0 or name in others or cut, (name, probe)
         if r["limit"] == "raised":
             assert probe["complete"] and probe["mb_per_s"] > 0, (name, probe)
             assert DEFAULT_DATA_LIMIT not in r["relay_counted"], (name, r)
         elif r["limit"] == "128KiB":  # what was in flight past the relay's budget is lost with the reset
             assert not probe["complete"] and probe["delivered"] <= DEFAULT_DATA_LIMIT, (name, probe)
             assert DEFAULT_DATA_LIMIT in r["relay_counted"], (name, r)
-            assert probe["receiver_error"] and probe["sender_error"], (name, probe)
+            assert probe["sender_error"] and (probe["receiver_error"] or probe["receiver_pending"]), (name, probe)
     counts = s["limits_by_variant"]
     assert all(sum(c.values()) == PER_VARIANT for c in counts.values()), counts
 
